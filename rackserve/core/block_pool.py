@@ -1,0 +1,116 @@
+"""BlockPool: owns every KV block's bookkeeping (reference counts, hashes, the free queue).
+
+A block is in use (ref_cnt > 0) or free. Free blocks wait in an LRU queue; those that still hold a
+hash stay findable by it (the prefix cache) until they are evicted, oldest first, to make room.
+This file never decides which request gets blocks (that is KVCacheManager) and never imports torch.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rackserve.core.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None   # set once the block is full and registered in the cache
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first: the front is evicted first. An OrderedDict gives
+        # O(1) removal from the middle when a cached free block is hit again.
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found in the cache, pulling free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Pop n blocks from the front of the free queue, evicting their cached contents."""
+        assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockHash], start: int, end: int) -> None:
+        """Register blocks[start:end] (now full) under hashes[start:end]."""
+        if not self.enable_caching:
+            return
+        for block, block_hash in zip(blocks[start:end], hashes[start:end]):
+            assert block.block_hash is None or block.block_hash == block_hash
+            block.block_hash = block_hash
+            # A block computed twice by concurrent requests keeps the first copy findable.
+            self.cached.setdefault(block_hash, block)
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the back of the free queue,
+        so pass a request's blocks tail first: its prefix then outlives its tail in the cache."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed twice"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    # Nothing to find in it: reuse it before any cached block.
+                    self.free_queue[block.block_id] = block
+                    self.free_queue.move_to_end(block.block_id, last=False)
+                else:
+                    self.free_queue[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def check_integrity(self) -> None:
+        """free + cached + in use == total, where cached blocks are free blocks still holding a
+        hash; free-queue membership matches ref counts; the index points at blocks with its hash."""
+        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached = sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+        free = self.num_free_blocks - cached
+        assert free + cached + in_use == self.num_blocks, (free, cached, in_use, self.num_blocks)
+        for block in self.blocks:
+            assert block.ref_cnt >= 0
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), block
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash

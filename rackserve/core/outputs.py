@@ -1,0 +1,83 @@
+"""The step contract: what the scheduler hands the executor (SchedulerOutput), what the executor
+hands back (ModelRunnerOutput), and what the engine core reports per request (EngineCoreOutput).
+
+These are plain picklable containers: they cross process boundaries to workers and must never
+hold torch tensors. The real executor and the simulated executor read and write exactly these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rackserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen, or one resumed after preemption (its state was
+    dropped): everything needed to rebuild the worker's per-request state."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]         # non-empty only for a request resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int            # tokens already in the KV cache (prefix hit)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the workers already hold: only what changed since its last step."""
+    req_id: str
+    new_block_ids: list[int]            # appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step, for every scheduled request, in batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose worker state must be dropped: finished, aborted or preempted since the
+    # last step. A preempted request comes back later as a NewRequestData.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Logprobs of one sampled token: its own, its rank, and the top-k of the distribution."""
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Requests that sampled a token this step (those whose KV caught up with all their
+    # tokens), in batch order; a request still in the middle of its prompt samples nothing.
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[LogprobsLists | None]
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [])
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step."""
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsLists] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

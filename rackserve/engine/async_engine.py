@@ -1,0 +1,138 @@
+"""AsyncEngine: the LLMEngine driven by one background thread, with an asyncio face for servers.
+
+The engine thread alone touches the LLMEngine: callers hand it commands (add, abort) through a
+queue, and it hands each request's outputs back to that request's asyncio queue on the caller's
+event loop. Tokenization and validation run in the caller, so a bad request fails before it is
+queued. If a step raises, every in-flight request fails with that error and the engine is dead
+(check_health raises); it never hangs a caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rackserve.config import EngineArgs, EngineConfig
+from rackserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
+from rackserve.engine.stats import StatLogger
+from rackserve.outputs import RequestOutput
+from rackserve.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = ()):
+        self.engine = LLMEngine(config, stat_loggers)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rackserve-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutput deltas until the request finishes. Raises ValueError before the
+        first yield for a request that can never run; aborts the request if the caller stops
+        iterating early (a client that went away)."""
+        self.check_health()
+        prepared = self.engine.prepare(request_id, prompt, params, cache_salt)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._send("add", (prepared, asyncio.get_running_loop(), stream))
+        self.check_health()   # the engine may have died before it could take the request
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; unknown or finished ids are ignored."""
+        self._send("abort", request_id)
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._error!r}")
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+
+    def shutdown(self) -> None:
+        if not self._stopping:
+            self._stopping = True
+            self._wake.set()
+            self._thread.join(timeout=60)
+            self.engine.shutdown()
+
+    # -- the engine thread --------------------------------------------------------------------
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out, out.finished)
+            reason: BaseException = EngineDeadError("the engine was shut down")
+        except BaseException as e:   # noqa: BLE001 - every caller must hear about it
+            self._error = e
+            reason = EngineDeadError(f"the engine failed: {e!r}")
+        # Nobody will step again: fail what is in flight and what is still queued.
+        for request_id in list(self._streams):
+            self._deliver(request_id, reason, True)
+        while not self._commands.empty():
+            kind, payload = self._commands.get_nowait()
+            if kind == "add":
+                _, loop, stream = payload
+                _put(loop, stream, reason)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                prepared, loop, stream = payload
+                self._add(prepared, loop, stream)
+            else:
+                self._streams.pop(payload, None)
+                self.engine.abort_request(payload)
+
+    def _add(self, prepared: PreparedRequest, loop: asyncio.AbstractEventLoop, stream: asyncio.Queue) -> None:
+        try:
+            self.engine.add_prepared(prepared)
+        except ValueError as e:   # e.g. a duplicate request id
+            _put(loop, stream, e)
+            return
+        self._streams[prepared.request_id] = (loop, stream)
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is not None:
+            _put(*target, item)
+
+
+def _put(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: Any) -> None:
+    """Hand an item to a caller's queue from the engine thread (a closed loop has nobody left)."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(stream.put_nowait, item)

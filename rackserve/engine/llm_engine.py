@@ -1,0 +1,109 @@
+"""LLMEngine: one serving instance, stepped synchronously: tokenizer + EngineCore + OutputProcessor.
+
+It owns the request front door: turning prompts into token ids, rejecting requests that can never
+run (with a message that says what to fix), fanning out n samples, and reporting stats after each
+step. It never runs threads (AsyncEngine drives it from one) and never speaks HTTP.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Union
+
+from rackserve.config import EngineArgs, EngineConfig
+from rackserve.core.request import Request
+from rackserve.engine.core import EngineCore
+from rackserve.engine.output_processor import OutputProcessor
+from rackserve.engine.stats import StatLogger
+from rackserve.engine.tokenizer import load_tokenizer
+from rackserve.outputs import RequestOutput
+from rackserve.sampling_params import SamplingParams
+
+# A prompt: text, or {"prompt": text} / {"prompt_token_ids": [...]} as vLLM accepts them.
+PromptType = Union[str, dict]
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request, ready to enter the engine."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = ()):
+        if isinstance(config, EngineArgs):
+            config = config.create_engine_config()
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.core = EngineCore(config)
+        self.config = self.core.config
+        self.processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers)
+
+    def prepare(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams,
+                cache_salt: str | None = None) -> PreparedRequest:
+        """Tokenize and validate; raises ValueError for a request that can never run."""
+        text, token_ids = self._tokenize(prompt)
+        max_len = self.config.model.max_model_len
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.core.executor.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your "
+                             f"prompt has {len(token_ids)} tokens, which leaves no room for output. "
+                             "Please reduce the length of the prompt.")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you "
+                             f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
+                             f"the prompt, {params.max_tokens} in the completion). Please reduce the "
+                             "length of the prompt or max_tokens.")
+        return PreparedRequest(request_id, text, token_ids, params, time.monotonic(), cache_salt)
+
+    def add_prepared(self, req: PreparedRequest) -> None:
+        engine_ids = self.processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
+                                                req.params, req.arrival_time)
+        for index, engine_id in enumerate(engine_ids):
+            params = req.params if req.params.n == 1 else req.params.child(index)
+            self.core.add_request(Request(engine_id, req.prompt_token_ids, params,
+                                          eos_token_ids=self.tokenizer.eos_token_ids,
+                                          arrival_time=req.arrival_time, cache_salt=req.cache_salt))
+
+    def add_request(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams) -> None:
+        self.add_prepared(self.prepare(request_id, prompt, params))
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.processor.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns a delta for every request that produced tokens."""
+        outputs, scheduler_stats = self.core.step()
+        processed = self.processor.process(outputs)
+        if processed.stops:
+            self.core.stop_requests(processed.stops)
+        for logger in self.stat_loggers:
+            logger.record(scheduler_stats, processed.iteration_stats)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+    def _tokenize(self, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                         "'prompt_token_ids'")

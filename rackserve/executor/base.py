@@ -1,0 +1,50 @@
+"""Executor: decides WHERE a step runs. The engine core hands it one SchedulerOutput per step and
+gets one ModelRunnerOutput back; nothing above can tell a real executor from a simulated one.
+
+This file owns the interface and the registry by name. It must never schedule (that is core/)
+or know how a model computes (that is model/).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from rackserve.config import EngineConfig
+from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """Built from the config; loads the model and allocates the KV cache before returning.
+
+    After construction `num_kv_blocks` (blocks of `block_size` tokens each), `model_max_len`
+    (the checkpoint's own context length) and `vocab_size` (rows of the embedding: valid token
+    ids are below it) are set.
+    """
+    num_kv_blocks: int
+    model_max_len: int
+    vocab_size: int
+
+    @abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Raises if a worker failed; never returns a partial output."""
+
+    def shutdown(self) -> None:
+        """Stop workers and free memory; safe to call twice."""
+
+
+EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {}
+
+
+def register_executor(name: str):
+    def wrap(cls):
+        EXECUTORS[name] = cls
+        return cls
+    return wrap
+
+
+def create_executor(config: EngineConfig, name: str = "uniproc") -> Executor:
+    if name not in EXECUTORS:
+        # Importing the module registers it; keeps torch out of processes that never execute.
+        import importlib
+        importlib.import_module(f"rackserve.executor.{name}")
+    return EXECUTORS[name](config)
