@@ -1,0 +1,156 @@
+"""ModelRunner: turns one SchedulerOutput into one forward pass and one sampled token per request
+whose KV has caught up with all its tokens.
+
+It owns the worker-side request state (tokens, block table, generator), the KV cache tensors and
+the step's input tensors and attention metadata, built once per step. It must never decide what
+runs (the scheduler does) and never keeps a request the scheduler told it to drop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rackserve.config import EngineConfig
+from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend
+from rackserve.model.loader import load_model
+from rackserve.model.sampler import Sampler, SamplingRow
+from rackserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None   # the request's own, when it has a seed
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without concatenating the two."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor             # [T]
+    positions: torch.Tensor             # [T]
+    attn_metadata: object               # the backend's own, built once per step
+    logits_indices: torch.Tensor        # [R] batch rows whose logits are sampled
+    sampling_states: list[CachedRequestState]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, attn_backend: str = "torch"):
+        self.config = config
+        self.device = torch.device(config.model.device)
+        self.block_size = config.cache.block_size
+        self.model, self.model_info = load_model(config.model, attn_backend)
+        self.attn_backend = get_attn_backend(attn_backend)
+        self.num_kv_blocks = self._num_kv_blocks()
+        info = self.model_info
+        shape = self.attn_backend.kv_cache_shape(self.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        # Zeroed, not empty: padded decode rows read stale slots under a mask, and 0 * NaN from
+        # uninitialised memory would still poison the output.
+        self.kv_cache = torch.zeros((info.num_layers, 2, *shape), dtype=info.dtype, device=self.device)
+        bind_kv_cache(self.model, [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(info.num_layers)])
+        self.sampler = Sampler(config.model.seed, self.device)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        block_bytes = self.model_info.kv_cache_bytes_per_token * self.block_size
+        num_blocks = int(cache.kv_cache_memory_gib * 2**30) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory_gib} GiB holds no block of {block_bytes} bytes")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if not inputs.sampling_states:
+            return ModelRunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        for state in inputs.sampling_states:
+            if state.generator is not None:
+                # Seeded per output position, so a request resumed after preemption (with a
+                # fresh generator) draws exactly what it would have drawn.
+                state.generator.manual_seed(_position_seed(state.sampling_params.seed, len(state.output_token_ids)))
+        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator)
+                for s in inputs.sampling_states]
+        sampled = self.sampler(logits, rows)
+        for state, token in zip(inputs.sampling_states, sampled.token_ids):
+            state.output_token_ids.append(token)
+        return ModelRunnerOutput([s.req_id for s in inputs.sampling_states],
+                                 [[t] for t in sampled.token_ids], sampled.logprobs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None if params.seed is None else torch.Generator(self.device)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_states: list[CachedRequestState] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            assert n > 0 and end <= state.num_tokens, f"{req_id}: scheduled [{start}, {end}) of {state.num_tokens} tokens"
+            table = state.block_ids
+            assert len(table) * bs >= end, f"{req_id}: {len(table)} blocks cannot hold {end} tokens"
+            input_ids += state.token_ids(start, end)
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_lens.append(n)
+            context_lens.append(start)
+            block_tables.append(table)
+            if end == state.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sampling_states.append(state)
+        assert len(input_ids) == so.total_num_scheduled_tokens, "total_num_scheduled_tokens disagrees with the dict"
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        common = CommonAttentionMetadata(query_lens, context_lens, block_tables, tensor(slots), bs)
+        return StepInputs(tensor(input_ids), tensor(positions), self.attn_backend.build_metadata(common, self.device),
+                          tensor(logits_indices), sampling_states)
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A distinct 64-bit seed for each (request seed, output position)."""
+    return (seed * 0x9E3779B97F4A7C15 + position) % 2**64

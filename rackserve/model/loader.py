@@ -1,0 +1,126 @@
+"""load_model: a checkpoint (a .gguf file, or an HF directory of safetensors with config.json) to
+a model on its device and dtype, plus ModelInfo, the facts the KV cache and the engine size
+themselves by.
+
+This file owns checkpoint formats and the HF config; it must never allocate the KV cache or
+know about requests.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rackserve.config import ModelConfig
+from rackserve.model.models import get_model_class
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int        # the checkpoint's own context length
+    eos_token_ids: tuple[int, ...]      # from the config (and generation_config.json when present)
+    dtype: torch.dtype
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], dtype: torch.dtype, extra_eos: Sequence[int] = ()) -> "ModelInfo":
+        heads = config["num_attention_heads"]
+        eos = config.get("eos_token_id")
+        eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + list(extra_eos)
+        return cls(
+            architecture=config["architectures"][0],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            hidden_size=config["hidden_size"],
+            vocab_size=config["vocab_size"],
+            max_position_embeddings=config["max_position_embeddings"],
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            dtype=dtype,
+        )
+
+
+def load_model(model_config: ModelConfig, attn_backend: str = "torch") -> tuple[nn.Module, ModelInfo]:
+    path, dtype = model_config.model, getattr(torch, model_config.dtype)
+    if path.endswith(".gguf"):
+        from rackserve.model.gguf_loader import gguf_config, gguf_weights, open_gguf
+        reader = open_gguf(path)
+        config = gguf_config(reader)
+        info = ModelInfo.from_config(config, dtype)
+        weights = gguf_weights(reader, config)
+    else:
+        config = read_hf_config(path)
+        info = ModelInfo.from_config(config, dtype, _generation_eos(path))
+        weights = safetensors_weights(path)
+    model_cls = get_model_class(info.architecture)
+    max_position = model_config.max_model_len or info.max_position_embeddings
+    with torch.device(model_config.device), _default_dtype(dtype):
+        model = model_cls(config, attn_backend, max_position)
+    model.load_weights(weights)
+    return model.eval(), info
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{folder} has no config.json (is it an HF model directory?)")
+    with open(config_path) as f:
+        config = json.load(f)
+    if not config.get("architectures"):
+        raise ValueError(f"{config_path} names no architectures")
+    return config
+
+
+def _generation_eos(folder: str) -> list[int]:
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a one-file or sharded (index json) safetensors checkpoint."""
+    from safetensors import safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created directly in the target dtype: no full-size float32 copy first.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -1,0 +1,155 @@
+"""Llama (and SmolLM2): the dense decoder the other dense architectures specialise.
+
+The CausalLM interface every registered model offers the runner:
+  `Model(config: dict, attn_backend: str, max_position: int)`,
+  `forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden_size]`,
+  `compute_logits(hidden [R, hidden_size]) -> logits [R, vocab_size]`,
+  `load_weights(iterable of (HF tensor name, tensor))`.
+q/k/v and gate/up are fused at load time; the residual add is carried into the next norm as in
+vLLM so that each layer does two adds. This file must never build attention metadata or touch
+the KV cache other than through its Attention layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rackserve.model.attention import Attention
+from rackserve.model.layers import LMHead, Linear, MergedLinear, QKVLinear, RMSNorm, VocabEmbedding, silu_and_mul
+from rackserve.model.rotary import RotaryEmbedding, apply_rope, rope_parameters
+
+
+def head_dim_of(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: dict[str, Any]):
+        super().__init__()
+        assert config.get("hidden_act", "silu") == "silu", f"unsupported activation {config.get('hidden_act')}"
+        hidden, inter, bias = config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False)
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias)
+        self.down_proj = Linear(inter, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict[str, Any], attn_backend: str):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, self.qkv_bias(config))
+        self.o_proj = Linear(self.q_size, hidden, self.o_bias(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, attn_backend)
+
+    @staticmethod
+    def qkv_bias(config: dict[str, Any]) -> bool:
+        return bool(config.get("attention_bias", False))
+
+    @staticmethod
+    def o_bias(config: dict[str, Any]) -> bool:
+        return bool(config.get("attention_bias", False))
+
+    def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q and k are adjacent in the fused output: one rope over both heads at once.
+        qk = qkv[:, :self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, :self.num_heads], qk[:, self.num_heads:]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k = self.rotate_qk(qkv, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(qkv.shape[0], self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attention_cls(config, attn_backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h if residual is None else h + residual
+        h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
+        residual = h + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str,
+                 max_position: int):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, attention_cls, attn_backend)
+                                     for _ in range(config["num_hidden_layers"])])
+        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, attn_metadata)
+        return self.norm(h + residual)
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # checkpoint name part -> (our fused parameter's name part, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int):
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.model = LlamaModel(config, self.attention_cls, attn_backend, max_position)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"],
+                              self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises on an unknown name or a parameter left unloaded."""
+        params = dict(self.named_parameters())
+        seen: dict[str, set[object]] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            shard: object = None
+            part = name.split(".")[-2] if "." in name else ""
+            if part in self.stacked_params:
+                fused, shard = self.stacked_params[part]
+                name = name.replace(f".{part}.", f".{fused}.")
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            seen.setdefault(name, set()).add(shard)
+        for name in params:
+            part = name.split(".")[-2] if "." in name else ""
+            want = {s for p, (f, s) in self.stacked_params.items() if f == part} or {None}
+            if seen.get(name) != want:
+                raise ValueError(f"parameter {name!r} was not (fully) loaded: got shards {seen.get(name)}, want {want}")

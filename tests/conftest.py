@@ -1,0 +1,52 @@
+"""Session fixtures shared by the test files: tiny random HF checkpoints of every supported
+architecture, each with a small real tokenizer beside it so an engine can serve it, and the one
+real model (SmolLM2-135M-Instruct GGUF).
+
+Checkpoints are built once per session into a temp dir; tests must not change them. This file
+must never download anything.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import LLAMA3_ROPE, TINY_DEFAULTS, build_tiny_model
+from tests.tokenizer_utils import save_test_tokenizer
+
+
+def _tiny(tmp_path_factory, name: str, arch: str, **overrides) -> str:
+    path = build_tiny_model(arch, tmp_path_factory.mktemp(name), **overrides)
+    save_test_tokenizer(path, overrides.get("vocab_size", TINY_DEFAULTS["vocab_size"]))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """Llama, untied embeddings, GQA (4 query heads, 2 KV heads)."""
+    return _tiny(tmp_path_factory, "tiny_llama", "LlamaForCausalLM", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_dir(tmp_path_factory) -> str:
+    """Llama with Llama 3.1 rope scaling (see LLAMA3_ROPE)."""
+    return _tiny(tmp_path_factory, "tiny_llama3", "LlamaForCausalLM", seed=1, rope_parameters=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2: q/k/v biases."""
+    return _tiny(tmp_path_factory, "tiny_qwen2", "Qwen2ForCausalLM", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    """Qwen3: q/k norms, head_dim (32) unlike hidden_size / heads (16), tied embeddings."""
+    return _tiny(tmp_path_factory, "tiny_qwen3", "Qwen3ForCausalLM", seed=3, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    from rackserve.config import smollm2_gguf_path
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
