@@ -87,6 +87,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.record_idle_stats()
                     self._wake.wait()
                     self._wake.clear()
                     continue

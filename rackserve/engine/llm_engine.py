@@ -14,7 +14,7 @@ from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.request import Request
 from rackserve.engine.core import EngineCore
 from rackserve.engine.output_processor import OutputProcessor
-from rackserve.engine.stats import StatLogger
+from rackserve.engine.stats import IterationStats, StatLogger
 from rackserve.engine.tokenizer import load_tokenizer
 from rackserve.outputs import RequestOutput
 from rackserve.sampling_params import SamplingParams
@@ -92,6 +92,12 @@ class LLMEngine:
         for logger in self.stat_loggers:
             logger.record(scheduler_stats, processed.iteration_stats)
         return processed.request_outputs
+
+    def record_idle_stats(self) -> None:
+        """Report the scheduler's state when no step will run (after aborts emptied it)."""
+        stats = self.core.scheduler.make_stats()
+        for logger in self.stat_loggers:
+            logger.record(stats, IterationStats())
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -1,0 +1,195 @@
+"""The OpenAI-compatible HTTP server: routes, request parsing, error bodies, and running uvicorn
+around one AsyncEngine.
+
+This file owns the HTTP contract: every refused request gets a 4xx with an OpenAI error body
+and the server keeps serving; a client that goes away cancels its handler, which aborts its
+engine requests. It must never sample, schedule or shape completion bodies (serving_*.py do).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from typing import Any, AsyncIterator, Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rackserve import __version__
+from rackserve.config import EngineArgs
+from rackserve.engine.async_engine import AsyncEngine, EngineDeadError
+from rackserve.serve.metrics import PrometheusStatLogger
+from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from rackserve.serve.serving_chat import OpenAIServingChat
+from rackserve.serve.serving_completion import OpenAIServingCompletion
+from rackserve.serve.serving_engine import OpenAIError, wait_for_disconnect
+
+logger = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first"
+
+
+def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger) -> FastAPI:
+    """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers."""
+    model_name = engine.config.model.served_model_name
+    completions = OpenAIServingCompletion(engine, model_name)
+    chat = OpenAIServingChat(engine, model_name)
+    app = FastAPI(title="rackserve", version=__version__)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        body = OpenAIError(str(e.detail), status=e.status_code).body()
+        return JSONResponse(body, status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        body = OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return JSONResponse(OpenAIError(str(e), status=503, type="server_error").body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=model_name, root=engine.config.model.model,
+                         max_model_len=engine.config.model.max_model_len)
+        return _json(ModelList(data=[card]))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stat_logger.exposition(), media_type=stat_logger.content_type)
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        request = _parse(CompletionRequest, await raw.body())
+        return await _respond(raw, completions.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        request = _parse(ChatCompletionRequest, await raw.body())
+        return await _respond(raw, chat.create_chat_completion(request))
+
+    return app
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        raise OpenAIError(_describe(errors), param=_param(errors[0])) from None
+
+
+def _param(error: dict) -> str | None:
+    loc = [str(part) for part in error["loc"]]
+    return loc[0] if loc else None
+
+
+def _describe(errors: list[dict]) -> str:
+    """One line naming each bad field, what was expected, and what was sent."""
+    parts = []
+    for error in errors[:4]:
+        if error["type"] == "json_invalid":
+            return f"the request body is not valid JSON: {error['ctx']['error']}"
+        where = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "missing":
+            parts.append(f"'{where}' is required")
+        elif not where:
+            parts.append(f"the request body: {error['msg']}")
+        else:
+            parts.append(f"'{where}': {error['msg']} (got {json.dumps(error['input'])[:80]})")
+    more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+async def _respond(raw: Request, handler: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+    """Runs a handler until it answers or its client disconnects (then the handler is cancelled,
+    which aborts its engine requests). A streaming answer has already seen its first token."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        client_gone = not task.done()
+        if client_gone:
+            task.cancel()
+    if client_gone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    result = task.result()
+    if isinstance(result, BaseModel):
+        return _json(result)
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Loads the model and serves until SIGINT/SIGTERM, then stops the engine and the server.
+    `args` holds the engine flags plus host, port and uvicorn_log_level (see `rackserve serve`)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    stat_logger = PrometheusStatLogger(engine_args.create_engine_config().model.served_model_name)
+    engine = AsyncEngine(engine_args, stat_loggers=[stat_logger])
+    try:
+        app = build_app(engine, stat_logger)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=3)
+        # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
+        # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            asyncio.run(_serve(_Server(config, engine), engine))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:
+        engine.shutdown()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopping the engine first when it shuts down (SIGINT/SIGTERM): requests
+    in flight then end at once (a stream with an error event and [DONE]) instead of holding the
+    shutdown for the grace period and being cancelled mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.engine.shutdown()
+        await super().shutdown(sockets)
+
+
+async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        url = f"http://{server.config.host}:{server.config.port}"
+        body = json.dumps({"model": engine.config.model.served_model_name,
+                           "messages": [{"role": "user", "content": "Hello!"}]})
+        print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
+              f"(metrics at {url}/metrics)\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+              flush=True)
+    await task

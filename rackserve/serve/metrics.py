@@ -1,0 +1,82 @@
+"""Prometheus metrics of one engine, named as vLLM's with the prefix `rackserve:` so dashboards
+written for one read the other.
+
+PrometheusStatLogger is a StatLogger: the engine's step loop calls `record` after every step.
+It owns its own CollectorRegistry (never the global one, so several engines or test servers in
+one process do not collide). It must never block or raise inside `record`.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rackserve.engine.stats import IterationStats, SchedulerStats, StatLogger
+
+PREFIX = "rackserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class PrometheusStatLogger(StatLogger):
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV cache.")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
+                                             TTFT_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.",
+                                             ITL_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
+                                             "Time from arrival to the last token.", E2E_BUCKETS)
+        # Labelled per finish reason at record time: "stop", "length", "abort".
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.num_requests_running.set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        # Counters refuse negative increments; a stat logger must not raise, so only count up.
+        for counter, value in ((self.prefix_cache_queries, scheduler_stats.prefix_cache_queries),
+                               (self.prefix_cache_hits, scheduler_stats.prefix_cache_hits),
+                               (self.num_preemptions, scheduler_stats.num_preemptions),
+                               (self.prompt_tokens, iteration_stats.num_prompt_tokens),
+                               (self.generation_tokens, iteration_stats.num_generation_tokens)):
+            if value > 0:
+                counter.inc(value)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+
+    def exposition(self) -> bytes:
+        """The text /metrics serves."""
+        return generate_latest(self.registry)

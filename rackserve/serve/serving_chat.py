@@ -1,0 +1,113 @@
+"""/v1/chat/completions: messages through the tokenizer's chat template, a reply whole or as SSE.
+
+This file owns the chat response shapes (message, delta chunks opening with the assistant role,
+logprobs as content[{token, logprob, bytes, top_logprobs}]). It must never validate sampling
+values (SamplingParams does) nor decide whether a prompt fits the context (the engine does).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from rackserve.outputs import Logprob
+from rackserve.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                      ChatCompletionResponseChoice, ChatCompletionStreamChoice,
+                                      ChatCompletionStreamResponse, ChatLogprobToken, ChatLogProbs,
+                                      ChatResponseMessage, ChatTopLogprob, DeltaMessage)
+from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, OpenAIServing,
+                                            RequestStreams, UsageCounter, clamp_logprob, sse,
+                                            token_text, top_by_rank)
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """The response, or (stream=True) an iterator of SSE events already past the first token."""
+        self.check_request(request)
+        if not request.messages:
+            raise OpenAIError("messages is empty; send at least one message", param="messages")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        try:
+            prompt = self.tokenizer.apply_chat_template(request.chat_messages())
+        except Exception as e:  # the template rejects a conversation (e.g. roles out of order)
+            raise OpenAIError(f"the chat template could not render these messages: {e}",
+                              param="messages") from None
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, logprobs)
+        top_k = request.top_logprobs or 0
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self.start([prompt], params, request_id)
+        if request.stream:
+            return self._stream(request, streams, request_id, params.n, top_k)
+        try:
+            return await self._collect(streams, request_id, top_k)
+        finally:
+            streams.abort()
+
+    async def _collect(self, streams: RequestStreams, request_id: str,
+                       top_k: int) -> ChatCompletionResponse:
+        choices: dict[int, ChoiceState] = {}
+        usage = UsageCounter()
+        async for p, out in streams:
+            usage.add(p, out)
+            for delta in out.outputs:
+                choices.setdefault(delta.index, ChoiceState()).add(delta)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, usage=usage.info(),
+            choices=[ChatCompletionResponseChoice(
+                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=self._logprobs(c.token_ids, c.logprobs, top_k) if c.logprobs else None)
+                for i, c in sorted(choices.items())])
+
+    async def _stream(self, request: ChatCompletionRequest, streams: RequestStreams, request_id: str,
+                      n: int, top_k: int) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                    model=self.model_name, choices=choices, usage=usage))
+
+        usage = UsageCounter()
+        try:
+            for index in range(n):
+                yield chunk([ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for p, out in streams:
+                usage.add(p, out)
+                for delta in out.outputs:
+                    if not (delta.text or delta.finish_reason or delta.logprobs):
+                        continue  # tokens held back (a partial stop string or UTF-8 character)
+                    logprobs = None
+                    if delta.logprobs:
+                        logprobs = self._logprobs(delta.token_ids, delta.logprobs, top_k)
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+            if request.include_usage:
+                yield chunk([], usage.info())
+        except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
+            yield sse(OpenAIError(f"generation failed: {e}", status=500, type="server_error").body())
+        finally:
+            streams.abort()
+        yield SSE_DONE
+
+    def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]],
+                  top_k: int) -> ChatLogProbs:
+        content = []
+        for token_id, step in zip(token_ids, steps):
+            text = token_text(self.tokenizer, token_id, step.get(token_id))
+            top = [self._top(t, lp) for t, lp in top_by_rank(step, top_k)]
+            content.append(ChatLogprobToken(token=text, logprob=clamp_logprob(step[token_id].logprob),
+                                            bytes=list(text.encode()), top_logprobs=top))
+        return ChatLogProbs(content=content)
+
+    def _top(self, token_id: int, logprob: Logprob) -> ChatTopLogprob:
+        text = token_text(self.tokenizer, token_id, logprob)
+        return ChatTopLogprob(token=text, logprob=clamp_logprob(logprob.logprob), bytes=list(text.encode()))

@@ -1,0 +1,98 @@
+"""/v1/completions: prompts (text or token ids, one or a batch) in, text out, whole or as SSE.
+
+This file owns the legacy completions response shape, including its logprobs format (tokens,
+token_logprobs, top_logprobs as {token: logprob}, text_offset). It must never validate
+sampling values (SamplingParams does) nor decide whether a prompt fits the context (the engine
+does, and RequestStreams turns its refusal into a 400).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from rackserve.outputs import Logprob
+from rackserve.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                      CompletionResponseChoice)
+from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, OpenAIServing,
+                                            RequestStreams, UsageCounter, clamp_logprob, sse,
+                                            token_text, top_by_rank)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def create_completion(self, request: CompletionRequest
+                                ) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (stream=True) an iterator of SSE events already past the first token."""
+        self.check_request(request)
+        prompts = request.prompts()
+        params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self.start(prompts, params, request_id)
+        if request.stream:
+            return self._stream(request, streams, request_id, params.n)
+        try:
+            return await self._collect(streams, request_id, params.n)
+        finally:
+            streams.abort()
+
+    async def _collect(self, streams: RequestStreams, request_id: str, n: int) -> CompletionResponse:
+        choices: dict[int, ChoiceState] = {}
+        usage = UsageCounter()
+        async for p, out in streams:
+            usage.add(p, out)
+            for delta in out.outputs:
+                choices.setdefault(p * n + delta.index, ChoiceState()).add(delta)
+        return CompletionResponse(
+            id=request_id, model=self.model_name, usage=usage.info(),
+            choices=[CompletionResponseChoice(
+                index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self._logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None)
+                for i, c in sorted(choices.items())])
+
+    async def _stream(self, request: CompletionRequest, streams: RequestStreams, request_id: str,
+                      n: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        choices: dict[int, ChoiceState] = {}
+        usage = UsageCounter()
+        try:
+            async for p, out in streams:
+                usage.add(p, out)
+                for delta in out.outputs:
+                    index = p * n + delta.index
+                    state = choices.setdefault(index, ChoiceState())
+                    if not (delta.text or delta.finish_reason or delta.logprobs):
+                        continue  # tokens held back (a partial stop string or UTF-8 character)
+                    logprobs = None
+                    if delta.logprobs:
+                        logprobs = self._logprobs(delta.token_ids, delta.logprobs, state.text_offset)
+                    state.text_offset += len(delta.text)
+                    yield sse(CompletionResponse(
+                        id=request_id, created=created, model=self.model_name,
+                        choices=[CompletionResponseChoice(
+                            index=index, text=delta.text, logprobs=logprobs,
+                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)]))
+            if request.include_usage:
+                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                             choices=[], usage=usage.info()))
+        except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
+            yield sse(OpenAIError(f"generation failed: {e}", status=500, type="server_error").body())
+        finally:
+            streams.abort()
+        yield SSE_DONE
+
+    def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]],
+                  text_offset: int) -> CompletionLogProbs:
+        result = CompletionLogProbs()
+        for token_id, step in zip(token_ids, steps):
+            text = token_text(self.tokenizer, token_id, step.get(token_id))
+            result.tokens.append(text)
+            result.token_logprobs.append(clamp_logprob(step[token_id].logprob))
+            top: dict[str, float] = {}
+            for t, lp in top_by_rank(step, len(step)):
+                # Tokens that decode alike (byte pieces of one character) share a key: keep the likelier.
+                top.setdefault(token_text(self.tokenizer, t, lp), clamp_logprob(lp.logprob))
+            result.top_logprobs.append(top)
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+        return result

@@ -1,0 +1,205 @@
+"""What the completions and chat handlers share: the error type that becomes an OpenAI error body,
+the engine requests behind one HTTP request (RequestStreams), SSE framing, and logprob helpers.
+
+This file owns the rule that an HTTP request fails as a whole, with a 400, before any byte is
+sent when the engine rejects one of its prompts, and that every engine request it started is
+aborted when the HTTP request ends early. It must never sample, tokenize prompts for the engine
+or shape OpenAI response bodies (the handlers do).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from rackserve.outputs import CompletionOutput, Logprob, RequestOutput
+from rackserve.sampling_params import SamplingParams
+from rackserve.serve.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingRequest,
+                                      UsageInfo)
+
+if TYPE_CHECKING:
+    from rackserve.engine.async_engine import AsyncEngine
+    from rackserve.engine.tokenizer import Tokenizer
+
+SSE_DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0                   # JSON has no -inf; OpenAI clients get this floor instead
+
+
+class OpenAIError(Exception):
+    """A request the server refuses; rendered as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isinf(value) or value < MIN_LOGPROB else value
+
+
+class RequestStreams:
+    """The engine requests behind one HTTP request: one per prompt, all consumed concurrently.
+
+    `start()` waits until every prompt produced its first output, so a prompt the engine
+    rejects (too long, bad ids) fails the HTTP request before its response begins. Iterating
+    yields (prompt_index, RequestOutput) deltas as they come. `abort()` (idempotent, sync so it
+    is safe inside a cancelled task's `finally`) stops whatever has not finished.
+    """
+
+    def __init__(self, engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
+                 request_id: str) -> None:
+        self.engine = engine
+        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        self._ready: collections.deque[tuple[int, RequestOutput | BaseException | None]] = collections.deque()
+        self._finished: set[int] = set()
+        self._tasks = [asyncio.create_task(self._pump(i, p, params)) for i, p in enumerate(prompts)]
+
+    async def _pump(self, index: int, prompt: str | list[int], params: SamplingParams) -> None:
+        try:
+            async for out in self.engine.generate(prompt, params, self.request_ids[index]):
+                self._queue.put_nowait((index, out))
+        except Exception as e:  # handed to the consumer, which decides between 400 and 500
+            self._queue.put_nowait((index, e))
+        else:
+            self._queue.put_nowait((index, None))
+
+    async def start(self) -> None:
+        """Raises the first prompt's error (ValueError: the engine refused it) after aborting all."""
+        started: set[int] = set()
+        while len(started) < len(self._tasks):
+            index, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.abort()
+                raise item
+            self._ready.append((index, item))
+            started.add(index)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        running = len(self._tasks)
+        while running:
+            index, item = self._ready.popleft() if self._ready else await self._queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                if item.finished:
+                    self._finished.add(index)
+                yield index, item
+
+    def abort(self) -> None:
+        for index, task in enumerate(self._tasks):
+            task.cancel()
+            if index not in self._finished:
+                self.engine.abort(self.request_ids[index])
+
+
+@dataclass
+class ChoiceState:
+    """One choice's text so far (non-streaming) and where its next streamed token starts."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+@dataclass
+class UsageCounter:
+    """Token counts of one HTTP request across its prompts and samples."""
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        cached = max(self.cached_tokens.get(prompt_index, 0), out.num_cached_tokens)
+        self.cached_tokens[prompt_index] = cached
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self.cached_tokens.values())))
+
+
+def token_text(tokenizer: Tokenizer, token_id: int, logprob: Logprob | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.token_text(token_id)
+
+
+def top_by_rank(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one step; the sampled token is only among them by rank."""
+    return sorted(step.items(), key=lambda kv: kv[1].rank)[:k]
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client of a request whose body was already read goes away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """Checks common to both endpoints, and starting the engine requests of one HTTP request."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+
+    def check_request(self, request: SamplingRequest) -> None:
+        if request.model is not None and request.model != self.model_name:
+            raise OpenAIError(f"The model `{request.model}` does not exist; this server serves "
+                              f"`{self.model_name}` (see /v1/models)", status=404, param="model",
+                              code="model_not_found")
+        unsupported = request.unsupported()
+        if unsupported:
+            raise OpenAIError(f"`{unsupported}` is not supported here with this value; remove it "
+                              "from the request", param=unsupported)
+
+    @staticmethod
+    def sampling_params(request: SamplingRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise OpenAIError(str(e)) from None
+
+    async def start(self, prompts: list[str | list[int]], params: SamplingParams,
+                    request_id: str) -> RequestStreams:
+        streams = RequestStreams(self.engine, prompts, params, request_id)
+        try:
+            await streams.start()
+        except BaseException as e:  # includes the handler's cancellation on client disconnect
+            streams.abort()
+            if isinstance(e, ValueError):
+                raise OpenAIError(str(e)) from None
+            raise
+        return streams
