@@ -1,0 +1,72 @@
+"""The machine's limits, measured on the spot: memory read bandwidth and fp32 matmul FLOP/s.
+
+Benchmarks divide by these to say how close a figure is to what the hardware allows. This file
+owns only the measurements; it never runs a model.
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def processor_name(device: str = "cpu") -> str:
+    """What the figures were measured on: the GPU's name, or the CPU model and its wide-vector
+    features (the same project runs on AMD Zen without AVX-512 and on Xeons with AMX)."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(features)})" if features else name
+
+
+@dataclass
+class Limits:
+    device: str
+    processor: str
+    threads: int
+    mem_read_gbps: float        # GB/s reading a large tensor once
+    matmul_gflops: float        # dense matmul in the benchmark's dtype
+
+    def describe(self) -> str:
+        return (f"{self.processor}, {self.threads} threads: memory read {self.mem_read_gbps:.1f} GB/s, "
+                f"matmul {self.matmul_gflops:.0f} GFLOP/s")
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_limits(device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> Limits:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    size = 256 * 2**20 if device == "cpu" else 2 * 2**30
+    buf = torch.ones(size // 4, dtype=torch.float32, device=device)
+    read_s = _median_seconds(lambda: buf.sum(), repeats, sync)
+    n = 2048 if device == "cpu" else 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    mm_s = _median_seconds(lambda: a @ b, max(3, repeats // 2), sync)
+    del buf, a, b
+    return Limits(device, processor_name(device), torch.get_num_threads(), size / read_s / 1e9,
+                  2 * n**3 / mm_s / 1e9)

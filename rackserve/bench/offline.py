@@ -1,0 +1,169 @@
+"""`rackserve bench latency` and `rackserve bench throughput`: offline engine benchmarks that print
+ratios against HF transformers run on the same work in the same process, and against the
+machine's limits measured on the spot (never asserted in tests).
+
+latency: one stream, TTFT and decode tokens/s, against the weight-read limit (bandwidth / bytes
+of weights). throughput: N requests of mixed lengths at once, processed (prompt + output) tokens/s,
+against the matmul limit (FLOP/s / 2 x parameters per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from rackserve.config import EngineArgs
+from rackserve.serve.cli import register_subcommand
+
+
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs.from_cli_args(args)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--peer", choices=["hf", "none"], default="hf",
+                        help="also time HF transformers on the same work (hf) or not (none)")
+    parser.add_argument("--output", help="write the results as JSON here")
+
+
+def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    # Skip the low ids, where tokenizers keep their special tokens.
+    return [rng.randrange(256, vocab) for _ in range(n)]
+
+
+def _model_stats(llm) -> tuple[int, int]:
+    """(bytes of weights, parameters) of the loaded model."""
+    params = list(llm.engine.core.executor.model.parameters())
+    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+
+
+def _write(path: str | None, result: dict) -> None:
+    result["command"] = "rackserve " + " ".join(sys.argv[1:])
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+
+
+# ---- latency ------------------------------------------------------------------------------
+
+
+def _add_latency_args(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+
+
+def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tuple[float, float]:
+    from rackserve.sampling_params import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    times = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            times.append(time.perf_counter())
+    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
+
+
+@register_subcommand("bench latency", "single-stream TTFT and decode tokens/s, against HF and the "
+                     "weight-read limit", _add_latency_args)
+def run_latency(args: argparse.Namespace) -> None:
+    from rackserve import LLM
+    from rackserve.bench.limits import measure_limits
+    engine_args = _engine_args(args)
+    llm = LLM(**vars(engine_args))
+    rng = random.Random(engine_args.seed)
+    prompt = _random_prompt(rng, llm.engine.core.executor.vocab_size, args.input_len)
+    _stream_once(llm, prompt, 8, "warmup")
+    runs = [_stream_once(llm, prompt, args.output_len, f"run{i}") for i in range(args.runs)]
+    ttft = statistics.median(r[0] for r in runs)
+    tps = statistics.median(r[1] for r in runs)
+    weight_bytes, _ = _model_stats(llm)
+    device = llm.engine.config.model.device
+    llm.shutdown()
+    limits = measure_limits(device)
+    limit_tps = limits.mem_read_gbps * 1e9 / weight_bytes
+    result = {"bench": "latency", "model": engine_args.model, "input_len": args.input_len,
+              "output_len": args.output_len, "runs": args.runs, "limits": vars(limits),
+              "weight_bytes": weight_bytes, "rackserve": {"ttft_s": ttft, "decode_tok_s": tps},
+              "weight_read_limit_tok_s": limit_tps}
+    print(f"machine: {limits.describe()}")
+    print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
+          f"({tps / limit_tps:.0%} of the weight-read limit {limit_tps:.1f} tok/s)")
+    if args.peer == "hf":
+        from rackserve.bench.hf_peer import hf_stream_timing, load_hf_model
+        model = load_hf_model(engine_args.model)
+        hf_stream_timing(model, prompt, 8)
+        peer = [hf_stream_timing(model, prompt, args.output_len) for _ in range(args.runs)]
+        hf_ttft = statistics.median(r[0] for r in peer)
+        hf_tps = statistics.median(r[1] for r in peer)
+        result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps}
+        result["decode_ratio_vs_hf"] = tps / hf_tps
+        print(f"HF         TTFT {hf_ttft * 1e3:7.1f} ms   decode {hf_tps:6.1f} tok/s")
+        print(f"rackserve / HF decode: {tps / hf_tps:.2f}x")
+    _write(args.output, result)
+
+
+# ---- throughput ---------------------------------------------------------------------------
+
+
+def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len-range", default="64,512", help="min,max prompt tokens")
+    parser.add_argument("--output-len-range", default="16,128", help="min,max output tokens")
+    parser.add_argument("--peer-batch-size", type=int, default=8, help="HF generate() batch size")
+
+
+@register_subcommand("bench throughput", "offline throughput of mixed-length requests, against HF "
+                     "and the matmul limit", _add_throughput_args)
+def run_throughput(args: argparse.Namespace) -> None:
+    from rackserve import LLM, SamplingParams
+    from rackserve.bench.limits import measure_limits
+    engine_args = _engine_args(args)
+    llm = LLM(**vars(engine_args))
+    rng = random.Random(engine_args.seed)
+    lo_in, hi_in = map(int, args.input_len_range.split(","))
+    lo_out, hi_out = map(int, args.output_len_range.split(","))
+    vocab = llm.engine.core.executor.vocab_size
+    requests = [(_random_prompt(rng, vocab, rng.randint(lo_in, hi_in)), rng.randint(lo_out, hi_out))
+                for _ in range(args.num_prompts)]
+    total = sum(len(p) + o for p, o in requests)
+    llm.generate([{"prompt_token_ids": requests[0][0][:16]}], SamplingParams(max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
+                        [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in requests])
+    elapsed = time.perf_counter() - t0
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(o for _, o in requests)
+    _, num_params = _model_stats(llm)
+    device = llm.engine.config.model.device
+    llm.shutdown()
+    limits = measure_limits(device)
+    limit_tps = limits.matmul_gflops * 1e9 / (2 * num_params)
+    tps = total / elapsed
+    result = {"bench": "throughput", "model": engine_args.model, "num_prompts": args.num_prompts,
+              "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(o for _, o in requests),
+              "limits": vars(limits), "params": num_params,
+              "rackserve": {"seconds": elapsed, "processed_tok_s": tps}, "matmul_limit_tok_s": limit_tps}
+    print(f"machine: {limits.describe()}")
+    print(f"{args.num_prompts} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} "
+          f"output tokens")
+    print(f"rackserve  {elapsed:7.1f} s   {tps:6.1f} processed tok/s "
+          f"({tps / limit_tps:.0%} of the matmul limit {limit_tps:.0f} tok/s)")
+    if args.peer == "hf":
+        from rackserve.bench.hf_peer import hf_batched_generate_seconds, load_hf_model
+        model = load_hf_model(engine_args.model)
+        hf_s = hf_batched_generate_seconds(model, requests, args.peer_batch_size)
+        result["hf"] = {"seconds": hf_s, "processed_tok_s": total / hf_s, "batch_size": args.peer_batch_size}
+        result["ratio_vs_hf"] = hf_s / elapsed
+        print(f"HF         {hf_s:7.1f} s   {total / hf_s:6.1f} processed tok/s "
+              f"(generate, static batches of {args.peer_batch_size})")
+        print(f"rackserve / HF: {hf_s / elapsed:.2f}x")
+    _write(args.output, result)
