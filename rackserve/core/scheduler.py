@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from rackserve.config import EngineConfig
-from rackserve.core.kv_cache_manager import NO_HIT, KVCacheManager
+from rackserve.core.kv_cache_manager import KVCacheManager
 from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                     NewRequestData, SchedulerOutput)
 from rackserve.core.request import Request, RequestStatus
