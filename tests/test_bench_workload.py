@@ -19,7 +19,7 @@ TRACE = os.path.join(os.path.dirname(__file__), "data", "weka_tiny.jsonl")
 
 @pytest.fixture(scope="module")
 def generated():
-    config = AgentXConfig(scale=0.1, seed=0)
+    config = AgentXConfig(scale=0.1, output_scale=0.1, seed=0)
     return config, [AgentXWorkload(config).session(i) for i in range(2000)]
 
 
@@ -41,7 +41,7 @@ def test_generator_statistics_are_the_requested_ones(generated):
     tool = [b.input_len - a.input_len - a.output_len for a, b in pairs if b.input_len > a.input_len]
     measured = {
         "main turns per session (median 43)": (statistics.median(len(s.turns) for s in sessions), 43),
-        "output tokens (median 444 x scale)": (statistics.median(t.output_len for t, _ in requests), 44.4),
+        "output tokens (median 444 x output scale)": (statistics.median(t.output_len for t, _ in requests), 44.4),
         "new tool tokens per turn (median 800 x scale)": (statistics.median(tool), 80),
         "think time, s (median 1)": (statistics.median(b.think_time for _, b in pairs), 1.0),
         "sessions with subagents (44%)": (sum(len(s.steps) > len(s.turns) for s in sessions) / len(sessions), 0.44),
@@ -53,6 +53,13 @@ def test_generator_statistics_are_the_requested_ones(generated):
     }
     off = {name: value for name, value in measured.items() if not near(*value)}
     assert not off, f"statistics more than 10% from the requested ones: {off}"
+
+
+def test_outputs_scale_ten_times_less_hard_by_default():
+    assert AgentXConfig(scale=0.005).output_scale == pytest.approx(0.05)
+    assert AgentXConfig(scale=0.5).output_scale == 1.0
+    outputs = [t.output_len for i in range(300) for t in AgentXWorkload(AgentXConfig(seed=0)).session(i).turns]
+    assert near(statistics.median(outputs), 444 * 0.05)
 
 
 def test_prompts_grow_by_the_recorded_output_and_new_tool_output(generated):

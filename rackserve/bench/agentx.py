@@ -26,10 +26,13 @@ from rackserve.bench.workload import (CONTEXT_HEADROOM, Session, SubagentGroup, 
                                       register_workload)
 
 # 1/200 fits the 2-core CPU this project is built on: SmolLM2-135M (~200 prefill and ~30 decode
-# tokens/s) serves its median prompt of ~800 tokens, growing ~9 tokens a turn, with a few output
-# tokens, about 20 turns a lane a minute at concurrency 2; compaction at 5K tokens keeps the
-# warm-up of a play under ~25 s and the workload the same on any server with 5K of context.
+# tokens/s) serves its median prompt of ~800 tokens, growing ~9 tokens a turn (plus the output),
+# several turns a lane a minute at concurrency 2; compaction at 5K tokens keeps the warm-up of a
+# play under ~25 s and the workload the same on any server with 5K of context.
 DEFAULT_SCALE = 0.005
+# Outputs are scaled 10x less hard than inputs by default: AgentX's median 444 output tokens at
+# scale 0.005 would be 2 tokens, too few for an inter-token latency worth reporting.
+OUTPUT_SCALE_FACTOR = 10.0
 _SEGMENT = 1 << 24                      # hash ids per conversation segment (1B tokens)
 
 
@@ -37,6 +40,7 @@ _SEGMENT = 1 << 24                      # hash ids per conversation segment (1B 
 class AgentXConfig:
     """Token counts at scale 1 are the published corpus's; `scale` multiplies them all."""
     scale: float = DEFAULT_SCALE
+    output_scale: float | None = None   # multiplies output lengths; None: min(1, 10 x scale)
     seed: int = 0
     max_context: int | None = None      # the server's longest prompt + output
     # Main turns per session: lognormal, median 43 (seed documents), mean 145 (56,798 / 393).
@@ -70,6 +74,9 @@ class AgentXConfig:
 
     def __post_init__(self) -> None:
         assert self.scale > 0, "scale must be > 0"
+        if self.output_scale is None:
+            object.__setattr__(self, "output_scale", min(1.0, OUTPUT_SCALE_FACTOR * self.scale))
+        assert self.output_scale > 0, "output_scale must be > 0"
 
     @property
     def shared_prefix_blocks(self) -> int:
@@ -89,7 +96,7 @@ class AgentXWorkload(Workload):
 
     def __init__(self, config: AgentXConfig, sessions: int = 1 << 20):
         self.config = config
-        self.scale = config.scale
+        self.scale, self.output_scale = config.scale, config.output_scale
         self._sessions = sessions
         system = config.shared_prefix_blocks * BLOCK_SIZE
         if config.context_budget < system + 2 * BLOCK_SIZE:
@@ -110,8 +117,9 @@ class _SessionBuilder:
         self.c, self.rng, self.session_id = config, rng, session_id
         self.segments = 0
 
-    def tokens(self, median: float, sigma: float, floor: int) -> int:
-        return max(floor, round(self.rng.lognormvariate(math.log(median), sigma) * self.c.scale))
+    def tokens(self, median: float, sigma: float, floor: int, scale: float | None = None) -> int:
+        scale = self.c.scale if scale is None else scale
+        return max(floor, round(self.rng.lognormvariate(math.log(median), sigma) * scale))
 
     def count(self, median: float, sigma: float, cap: int) -> int:
         return min(cap, max(1, round(self.rng.lognormvariate(math.log(median), sigma))))
@@ -131,7 +139,8 @@ class _SessionBuilder:
         previous_output = 0
         for k in range(turns):
             # Output at least 2 tokens, so that every request has an inter-token latency.
-            output = self.tokens(c.output_median, c.output_sigma, 2)
+            # Outputs take at most half the context, leaving room for the prompt that asked.
+            output = min(self.tokens(c.output_median, c.output_sigma, 2, c.output_scale), c.context_budget // 2)
             think = 0.0
             if k > 0:
                 context += previous_output + self.tokens(c.tool_median, c.tool_sigma, 1)
@@ -176,4 +185,5 @@ def _agentx(argument: str, options: WorkloadOptions) -> Workload:
     if argument:
         raise ValueError("the agentx workload takes no argument; set --scale and --seed")
     scale = options.scale if options.scale is not None else DEFAULT_SCALE
-    return AgentXWorkload(AgentXConfig(scale=scale, seed=options.seed, max_context=options.max_context))
+    return AgentXWorkload(AgentXConfig(scale=scale, output_scale=options.output_scale, seed=options.seed,
+                                       max_context=options.max_context))

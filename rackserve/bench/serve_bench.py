@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload's content and the random starts")
     parser.add_argument("--scale", type=float, default=None,
                         help=f"agentx: multiplies every token count of the published statistics (default {DEFAULT_SCALE})")
+    parser.add_argument("--output-scale", type=float, default=None,
+                        help="agentx: multiplies output lengths instead (default: min(1, 10 x scale), so that "
+                        "short agentic outputs stay long enough to measure inter-token latency)")
     parser.add_argument("--max-context", type=int, default=None,
                         help="the server's longest prompt + output (default: what /v1/models reports)")
     parser.add_argument("--think-time-cap", type=float, default=5.0, help="longest think time honoured, seconds")
@@ -109,7 +112,7 @@ async def bench_serve(args: argparse.Namespace, levels: list[int], console: Cons
         model = args.model or next(iter(models))
         max_context = args.max_context or models.get(model)
         workload = make_workload(args.workload, WorkloadOptions(
-            seed=args.seed, scale=args.scale, max_context=max_context,
+            seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=max_context,
             random_input_len=args.random_input_len, random_output_len=args.random_output_len))
         tokenizer = load_server_tokenizer(args.tokenizer) if args.tokenizer else None
         vocabulary = vocabulary_from_tokenizer(tokenizer, args.tokenizer) if tokenizer else default_vocabulary()
@@ -124,7 +127,7 @@ async def bench_serve(args: argparse.Namespace, levels: list[int], console: Cons
         renderer = PromptRenderer(vocabulary, args.seed)
         nonce = uuid.uuid4().hex[:8]
         result = {"label": args.label or model, "base_url": args.base_url, "model": model,
-                  "workload": args.workload, "scale": workload.scale,
+                  "workload": args.workload, "scale": workload.scale, "output_scale": workload.output_scale,
                   "seed": args.seed, "devices": args.devices, "duration": args.duration,
                   "think_time_cap": args.think_time_cap, "max_context": max_context, "eos": args.eos,
                   "vocabulary": vocabulary.source, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -69,6 +69,7 @@ class Workload(ABC):
 
     name: str
     scale: float | None = None          # the factor on token counts, for generated workloads
+    output_scale: float | None = None   # the factor on output lengths, where it differs
 
     @abstractmethod
     def session(self, index: int) -> Session:
@@ -201,6 +202,7 @@ class InfiniteCache:
 class WorkloadOptions:
     seed: int = 0
     scale: float | None = None          # None: the workload's default
+    output_scale: float | None = None   # None: the workload's default
     max_context: int | None = None      # longest prompt + output the server takes
     random_input_len: int = 1024
     random_output_len: int = 128
