@@ -41,10 +41,37 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run one instance and how they meet. Ranks are numbered node by node: node
+    k hosts ranks [k * local_world_size, (k + 1) * local_world_size). Rank 0 (on node 0, beside
+    the engine) hosts the TCP rendezvous at master_addr:master_port."""
+    tensor_parallel_size: int = 1
+    distributed_backend: str = "gloo"   # "gloo" | "nccl" (resolved, never "auto")
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None      # None: a free port, chosen when the workers start (one node only)
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node hosts."""
+        return range(self.node_rank * self.local_world_size, (self.node_rank + 1) * self.local_world_size)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def with_model_len(self, model_max_len: int) -> "EngineConfig":
         """Resolve max_model_len once the checkpoint says how long a context it supports."""
@@ -78,6 +105,15 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _opt(None, "exact number of KV blocks (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _opt(0, "seed of the sampler for requests without their own seed")
+    tensor_parallel_size: int = _opt(1, "ranks (worker processes) that split each layer's weights")
+    distributed_backend: str = _opt("auto", "torch.distributed backend between ranks; auto: nccl on "
+                                    "cuda, gloo on cpu", choices=["auto", "gloo", "nccl"])
+    master_addr: str = _opt("127.0.0.1", "address of node 0, where rank 0 hosts the rendezvous")
+    master_port: int | None = _opt(None, "rendezvous port on node 0 (default: a free one; needed "
+                                   "when --nnodes > 1)")
+    nnodes: int = _opt(1, "machines sharing the ranks; node 0 runs the engine, the others run "
+                       "`rackserve worker`")
+    node_rank: int = _opt(0, "this machine's index among the --nnodes")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -129,7 +165,21 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override)
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
-        return EngineConfig(model=model, cache=cache, scheduler=sched)
+        return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device))
+
+    def _parallel_config(self, device: str) -> ParallelConfig:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        _require(tp > 0, "tensor_parallel_size must be > 0")
+        _require(nnodes > 0 and tp % nnodes == 0,
+                 f"the {tp} ranks must split evenly over nnodes={nnodes} machines")
+        _require(0 <= self.node_rank < nnodes, f"node_rank must be in [0, {nnodes})")
+        _require(nnodes == 1 or self.master_port is not None,
+                 "--nnodes > 1 needs --master-port (and --master-addr) so the machines can meet")
+        backend = self.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if device == "cuda" else "gloo"
+        _require(backend != "nccl" or device == "cuda", "the nccl backend needs device=cuda")
+        return ParallelConfig(tp, backend, self.master_addr, self.master_port, nnodes, self.node_rank)
 
 
 def _require(ok: bool, msg: str) -> None:

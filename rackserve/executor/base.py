@@ -42,7 +42,9 @@ def register_executor(name: str):
     return wrap
 
 
-def create_executor(config: EngineConfig, name: str = "uniproc") -> Executor:
+def create_executor(config: EngineConfig, name: str | None = None) -> Executor:
+    """The executor registered as `name`; by default "uniproc" for one rank, "mp" for more."""
+    name = name or ("uniproc" if config.parallel.world_size == 1 else "mp")
     if name not in EXECUTORS:
         # Importing the module registers it; keeps torch out of processes that never execute.
         import importlib

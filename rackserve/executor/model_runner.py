@@ -4,6 +4,11 @@ whose KV has caught up with all its tokens.
 It owns the worker-side request state (tokens, block table, generator), the KV cache tensors and
 the step's input tensors and attention metadata, built once per step. It must never decide what
 runs (the scheduler does) and never keeps a request the scheduler told it to drop.
+
+Under tensor parallelism there is one runner per rank, each with its slice of the model and the
+KV cache of its heads, all fed the same SchedulerOutput. All of them sample, and sample the same
+tokens (the logits are all-gathered and the generators seeded alike), so no rank needs another's
+tokens for its next step.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import torch
 
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
-from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend
+from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend, model_kv_cache_spec
 from rackserve.model.loader import load_model
 from rackserve.model.sampler import Sampler, SamplingRow
 from rackserve.sampling_params import SamplingParams
@@ -53,19 +59,25 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, attn_backend: str = "torch"):
+    def __init__(self, config: EngineConfig, attn_backend: str = "torch", groups: ParallelGroups | None = None):
+        """`groups`: this rank's process groups (a single process when None)."""
         self.config = config
+        self.groups = groups or ParallelGroups.single()
         self.device = torch.device(config.model.device)
         self.block_size = config.cache.block_size
-        self.model, self.model_info = load_model(config.model, attn_backend)
-        self.attn_backend = get_attn_backend(attn_backend)
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.model, self.model_info = load_model(config.model, attn_backend, self.groups)
         info = self.model_info
-        shape = self.attn_backend.kv_cache_shape(self.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
-        # Zeroed, not empty: padded decode rows read stale slots under a mask, and 0 * NaN from
-        # uninitialised memory would still poison the output.
-        self.kv_cache = torch.zeros((info.num_layers, 2, *shape), dtype=info.dtype, device=self.device)
-        bind_kv_cache(self.model, [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(info.num_layers)])
+        # What each layer caches on this rank: its share of the KV heads, or MLA's whole latent.
+        self.kv_cache_spec = spec = model_kv_cache_spec(self.model)
+        self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla)
+        # Every rank must index the same blocks: the one with the least room sets the count.
+        self.num_kv_blocks = self.groups.world.min(self._num_kv_blocks())
+        # [layers, K and V (or the one latent), blocks, block_size, kv heads, head size]. Zeroed, not
+        # empty: padded decode rows read stale slots under a mask, and 0 * NaN from uninitialised
+        # memory would still poison the output.
+        shape = (info.num_layers, spec.num_tensors, *spec.cache_shape(self.num_kv_blocks, self.block_size))
+        self.kv_cache = torch.zeros(shape, dtype=info.dtype, device=self.device)
+        bind_kv_cache(self.model, [tuple(layer_cache) for layer_cache in self.kv_cache])
         self.sampler = Sampler(config.model.seed, self.device)
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -73,7 +85,8 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        block_bytes = self.model_info.kv_cache_bytes_per_token * self.block_size
+        info = self.model_info
+        block_bytes = info.num_layers * self.kv_cache_spec.bytes_per_token(info.dtype) * self.block_size
         num_blocks = int(cache.kv_cache_memory_gib * 2**30) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory_gib} GiB holds no block of {block_bytes} bytes")

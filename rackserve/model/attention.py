@@ -1,20 +1,26 @@
-"""Paged attention interface: the step's batch description (CommonAttentionMetadata), the
-AttentionBackend base class with its registry by name, and the Attention layer the models hold.
+"""Paged attention interface: the step's batch description (CommonAttentionMetadata), what one
+layer caches per token (KVCacheSpec), the AttentionBackend base class with its registry by name,
+and the Attention layer the models hold.
 
 The runner builds CommonAttentionMetadata once per step, asks the backend to turn it into its own
 metadata (once per step, not per layer), and passes that explicitly to `model.forward`. The KV
-cache is allocated by the runner and bound to the Attention layers with `bind_kv_cache`. This file
-must never hold per-step state in globals.
+cache is allocated by the runner from the layers' KVCacheSpec and bound to them with
+`bind_kv_cache`. Layers of one kind share a backend: "name" for MHA/GQA (Attention), "name_mla"
+for multi-head latent attention (MLAAttention, model/mla.py). This file must never hold per-step
+state in globals.
 """
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from rackserve.model.mla import MLABackend
 
 
 @dataclass
@@ -33,6 +39,28 @@ class CommonAttentionMetadata:
         assert self.slot_mapping.shape[0] == sum(self.query_lens)
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer caches: `num_tensors` tensors, each [num_blocks, block_size,
+    num_kv_heads, head_size]. MHA/GQA caches K and V (2 tensors) of this rank's KV heads; MLA
+    caches one latent per token (1 tensor, one "head" of kv_lora_rank + qk_rope_head_dim values)
+    that all query heads share."""
+    num_kv_heads: int
+    head_size: int
+    use_mla: bool = False
+
+    @property
+    def num_tensors(self) -> int:
+        return 1 if self.use_mla else 2
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.num_tensors * self.num_kv_heads * self.head_size * dtype.itemsize
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one of the layer's `num_tensors` cache tensors."""
+        return (num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+
 class AttentionBackend(ABC):
     """Computes attention over a paged KV cache for one layer.
 
@@ -46,11 +74,6 @@ class AttentionBackend(ABC):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's K (and of its V) cache."""
-        return (num_blocks, block_size, num_kv_heads, head_dim)
-
-    @staticmethod
     @abstractmethod
     def build_metadata(common: CommonAttentionMetadata, device: torch.device) -> Any:
         """The backend's own per-step metadata; called once per step."""
@@ -62,17 +85,21 @@ class AttentionBackend(ABC):
         Returns [T, num_heads * head_dim]."""
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# name -> AttentionBackend subclass; names ending in "_mla" -> MLABackend subclass (model/mla.py).
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend] | type[MLABackend]] = {}
 
 
 def register_attn_backend(name: str):
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    def wrap(cls):
         ATTENTION_BACKENDS[name] = cls
         return cls
     return wrap
 
 
-def get_attn_backend(name: str) -> type[AttentionBackend]:
+def get_attn_backend(name: str, use_mla: bool = False) -> Any:
+    """Backend `name` (an AttentionBackend); with use_mla, its latent-attention sibling
+    `name_mla` (an MLABackend). Both build their per-step metadata with `build_metadata`."""
+    name = f"{name}_mla" if use_mla else name
     if name not in ATTENTION_BACKENDS:
         # Backend "x" lives in rackserve/model/x_attention.py; importing it registers it.
         try:
@@ -84,26 +111,43 @@ def get_attn_backend(name: str) -> type[AttentionBackend]:
     return ATTENTION_BACKENDS[name]
 
 
-class Attention(nn.Module):
-    """The attention op inside a model layer: holds the backend and this layer's KV cache."""
+class AttentionLayerBase(nn.Module):
+    """A layer that owns one layer's paged KV cache (vLLM's name): Attention or MLAAttention."""
+
+    kv_cache_spec: KVCacheSpec
+    kv_cache: tuple[torch.Tensor, ...] | None = None
+
+
+class Attention(AttentionLayerBase):
+    """The attention op inside a model layer: holds the backend and this layer's K and V cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str):
         super().__init__()
         self.impl = get_attn_backend(backend)(num_heads, num_kv_heads, head_dim, scale)
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_cache_spec = KVCacheSpec(num_kv_heads, head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         assert self.kv_cache is not None, "no KV cache bound: call bind_kv_cache() first"
         return self.impl.forward(q, k, v, self.kv_cache, attn_metadata)
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+def attention_layers(model: nn.Module) -> list[AttentionLayerBase]:
+    return [m for m in model.modules() if isinstance(m, AttentionLayerBase)]
 
 
-def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Give each Attention layer, in model order, its (K, V) cache."""
+def model_kv_cache_spec(model: nn.Module) -> KVCacheSpec:
+    """The one spec all of the model's attention layers share (this rank's, under TP)."""
+    specs = {layer.kv_cache_spec for layer in attention_layers(model)}
+    assert len(specs) == 1, f"attention layers with different KV cache specs are not supported: {specs}"
+    return specs.pop()
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
+    """Give each attention layer, in model order, its cache: (K, V), or (latent,) for MLA."""
     layers = attention_layers(model)
     assert len(layers) == len(kv_caches), f"{len(layers)} attention layers, {len(kv_caches)} caches"
     for layer, cache in zip(layers, kv_caches):
+        spec = layer.kv_cache_spec
+        fits = len(cache) == spec.num_tensors and all(t.shape[2:] == (spec.num_kv_heads, spec.head_size) for t in cache)
+        assert fits, f"cache of shapes {[tuple(t.shape) for t in cache]} does not fit {spec}"
         layer.kv_cache = cache

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from rackserve.config import ModelConfig
+from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model.attention import KVCacheSpec
 from rackserve.model.models import get_model_class
 
 
@@ -33,32 +35,44 @@ class ModelInfo:
     max_position_embeddings: int        # the checkpoint's own context length
     eos_token_ids: tuple[int, ...]      # from the config (and generation_config.json when present)
     dtype: torch.dtype
+    kv_cache_spec: KVCacheSpec          # one layer's cache in one process (a TP rank's layers hold a share)
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """What every layer caches for one token: K and V, or the MLA latent."""
+        return self.num_layers * self.kv_cache_spec.bytes_per_token(self.dtype)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], dtype: torch.dtype, extra_eos: Sequence[int] = ()) -> "ModelInfo":
         heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        if config.get("kv_lora_rank"):
+            # Multi-head latent attention (DeepSeek-V2/V3), recognised as vLLM does: every layer
+            # caches the compressed KV and the roped shared key, whatever the head count.
+            spec = KVCacheSpec(1, config["kv_lora_rank"] + config["qk_rope_head_dim"], use_mla=True)
+        else:
+            spec = KVCacheSpec(num_kv_heads, head_dim)
         eos = config.get("eos_token_id")
         eos_ids = ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)) + list(extra_eos)
         return cls(
             architecture=config["architectures"][0],
             num_layers=config["num_hidden_layers"],
             num_attention_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             hidden_size=config["hidden_size"],
             vocab_size=config["vocab_size"],
             max_position_embeddings=config["max_position_embeddings"],
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             dtype=dtype,
+            kv_cache_spec=spec,
         )
 
 
-def load_model(model_config: ModelConfig, attn_backend: str = "torch") -> tuple[nn.Module, ModelInfo]:
+def load_model(model_config: ModelConfig, attn_backend: str = "torch",
+               groups: ParallelGroups | None = None) -> tuple[nn.Module, ModelInfo]:
+    """The model of this rank of `groups` (its slice of every split weight), on its device."""
     path, dtype = model_config.model, getattr(torch, model_config.dtype)
     if path.endswith(".gguf"):
         from rackserve.model.gguf_loader import gguf_config, gguf_weights, open_gguf
@@ -73,7 +87,7 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch") -> tuple[
     model_cls = get_model_class(info.architecture)
     max_position = model_config.max_model_len or info.max_position_embeddings
     with torch.device(model_config.device), _default_dtype(dtype):
-        model = model_cls(config, attn_backend, max_position)
+        model = model_cls(config, attn_backend, max_position, groups or ParallelGroups.single())
     model.load_weights(weights)
     return model.eval(), info
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 from typing import Any, AsyncIterator, Awaitable
 
 import uvicorn
@@ -146,7 +147,9 @@ def _json(body: BaseModel) -> Response:
 
 def run_server(args: argparse.Namespace) -> None:
     """Loads the model and serves until SIGINT/SIGTERM, then stops the engine and the server.
-    `args` holds the engine flags plus host, port and uvicorn_log_level (see `rackserve serve`)."""
+    `args` holds the engine flags plus host, port and uvicorn_log_level (see `rackserve serve`).
+    If the engine dies (a step raised, a worker died) the server stops too and this raises
+    SystemExit(1), so that whatever supervises it sees the failure."""
     engine_args = EngineArgs.from_cli_args(args)
     stat_logger = PrometheusStatLogger(engine_args.create_engine_config().model.served_model_name)
     engine = AsyncEngine(engine_args, stat_loggers=[stat_logger])
@@ -158,12 +161,15 @@ def run_server(args: argparse.Namespace) -> None:
         # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            asyncio.run(_serve(_Server(config, engine), engine))
+            died = asyncio.run(_serve(_Server(config, engine), engine))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     finally:
         engine.shutdown()
+    if died is not None:
+        print(f"rackserve serve: {died}; exiting", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 class _Server(uvicorn.Server):
@@ -180,7 +186,8 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> None:
+async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError | None:
+    """Runs the server until it is told to stop, or until the engine dies (returns why)."""
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -192,4 +199,16 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> None:
               f"(metrics at {url}/metrics)\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)
+    died = None
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        # Before a requested shutdown the engine only stops by dying; it has already failed the
+        # requests in flight, and cannot serve again.
+        if died is None and not server.should_exit:
+            try:
+                engine.check_health()
+            except EngineDeadError as e:
+                logger.error("%s; stopping the server", e)
+                died, server.should_exit = e, True
     await task
+    return died

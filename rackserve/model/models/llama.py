@@ -1,13 +1,15 @@
 """Llama (and SmolLM2): the dense decoder the other dense architectures specialise.
 
 The CausalLM interface every registered model offers the runner:
-  `Model(config: dict, attn_backend: str, max_position: int)`,
+  `Model(config: dict, attn_backend: str, max_position: int, groups: ParallelGroups)`,
   `forward(input_ids [T], positions [T], attn_metadata) -> hidden [T, hidden_size]`,
   `compute_logits(hidden [R, hidden_size]) -> logits [R, vocab_size]`,
   `load_weights(iterable of (HF tensor name, tensor))`.
 q/k/v and gate/up are fused at load time; the residual add is carried into the next norm as in
-vLLM so that each layer does two adds. This file must never build attention metadata or touch
-the KV cache other than through its Attention layers.
+vLLM so that each layer does two adds. Under tensor parallelism (groups.tp) attention heads and
+the MLP's intermediate features are split across ranks (column-parallel qkv and gate_up,
+row-parallel o_proj and down_proj), as are the embedding's and lm_head's vocabulary. This file
+must never build attention metadata or touch the KV cache other than through its Attention layers.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.attention import Attention
-from rackserve.model.layers import LMHead, Linear, MergedLinear, QKVLinear, RMSNorm, VocabEmbedding, silu_and_mul
+from rackserve.model.layers import (LMHead, MergedLinear, QKVLinear, RMSNorm, RowParallelLinear, VocabEmbedding,
+                                    silu_and_mul)
 from rackserve.model.rotary import RotaryEmbedding, apply_rope, rope_parameters
 
 
@@ -27,27 +31,31 @@ def head_dim_of(config: dict[str, Any]) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], tp: GroupCoordinator):
         super().__init__()
         assert config.get("hidden_act", "silu") == "silu", f"unsupported activation {config.get('hidden_act')}"
         hidden, inter, bias = config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False)
-        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias)
-        self.down_proj = Linear(inter, hidden, bias)
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: dict[str, Any], attn_backend: str):
+    """num_heads, num_kv_heads, q_size and kv_size are this rank's share."""
+
+    def __init__(self, config: dict[str, Any], attn_backend: str, tp: GroupCoordinator):
         super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
         self.head_dim = head_dim_of(config)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, self.qkv_bias(config))
-        self.o_proj = Linear(self.q_size, hidden, self.o_bias(config))
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, heads, config.get("num_key_value_heads") or heads,
+                                  self.qkv_bias(config), tp)
+        qkv = self.qkv_proj
+        self.num_heads, self.num_kv_heads = qkv.num_heads, qkv.num_kv_heads
+        self.q_size, self.kv_size = qkv.q_size, qkv.kv_size
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, self.o_bias(config), tp,
+                                        input_held=(qkv.partition.q_start * self.head_dim, self.q_size))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, attn_backend)
 
     @staticmethod
@@ -72,13 +80,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str):
+    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str,
+                 tp: GroupCoordinator):
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = attention_cls(config, attn_backend)
+        self.self_attn = attention_cls(config, attn_backend, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +99,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str,
-                 max_position: int):
+                 max_position: int, tp: GroupCoordinator):
         super().__init__()
         hidden = config["hidden_size"]
-        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, attention_cls, attn_backend)
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden, tp)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, attention_cls, attn_backend, tp)
                                      for _ in range(config["num_hidden_layers"])])
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
@@ -114,13 +123,13 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int):
+    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.model = LlamaModel(config, self.attention_cls, attn_backend, max_position)
+        self.model = LlamaModel(config, self.attention_cls, attn_backend, max_position, groups.tp)
         self.lm_head = LMHead(config["vocab_size"], config["hidden_size"],
-                              self.model.embed_tokens if self.tie_word_embeddings else None)
+                              self.model.embed_tokens if self.tie_word_embeddings else None, groups.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)

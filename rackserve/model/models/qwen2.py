@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.model.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -22,6 +23,6 @@ class Qwen2Attention(LlamaAttention):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
 
-    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int):
+    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
         assert not config.get("use_sliding_window", False), "Qwen2 sliding-window attention is not supported"
-        super().__init__(config, attn_backend, max_position)
+        super().__init__(config, attn_backend, max_position, groups)

@@ -9,14 +9,15 @@ from typing import Any
 
 import torch
 
+from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.layers import RMSNorm
 from rackserve.model.models.llama import LlamaAttention, LlamaForCausalLM
 from rackserve.model.rotary import apply_rope
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: dict[str, Any], attn_backend: str):
-        super().__init__(config, attn_backend)
+    def __init__(self, config: dict[str, Any], attn_backend: str, tp: GroupCoordinator):
+        super().__init__(config, attn_backend, tp)
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
@@ -31,6 +32,6 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
 
-    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int):
+    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
         assert not config.get("use_sliding_window", False), "Qwen3 sliding-window attention is not supported"
-        super().__init__(config, attn_backend, max_position)
+        super().__init__(config, attn_backend, max_position, groups)

@@ -1,0 +1,25 @@
+"""`rackserve bench comm` end to end on 2 gloo ranks: every (op, size) is timed, and a tiny
+Llama's TP=2 decode step makes exactly the collective calls tensor parallelism implies (2 per
+layer, the embedding's, the logits' all-gather and the step's broadcast), every rank spending part
+of its step inside them.
+"""
+from __future__ import annotations
+
+import json
+
+from rackserve.serve.cli import main
+
+
+def test_bench_comm_times_collectives_and_counts_a_steps_calls(tiny_llama_dir, tmp_path):
+    out = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--iters", "3", "--sizes", "256,4K", "--model", tiny_llama_dir,
+                 "--steps", "2", "--batch-sizes", "1", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = [(r["op"], r["bytes"]) for r in rows if "bytes" in r]
+    assert timed == [(op, size) for op in ("all_reduce", "all_gather", "broadcast_object") for size in (256, 4096)]
+    assert all(r["median_us"] > 0 for r in rows if "bytes" in r)
+    steps = [r for r in rows if "step_ms" in r]
+    assert sorted(r["rank"] for r in steps) == [0, 1]
+    layers = 3   # tests/tiny_models.py
+    assert all(r["collective_calls"] == 2 * layers + 3 for r in steps)
+    assert all(0 < r["in_collectives_ms"] < r["step_ms"] for r in steps)
