@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_models import LLAMA3_ROPE, TINY_DEFAULTS, build_tiny_model
+from tests.tiny_models import DEEPSEEK_V3, DEEPSEEK_YARN_ROPE, LLAMA3_ROPE, QWEN3_MOE, TINY_DEFAULTS, build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
 
@@ -41,6 +41,30 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
 def tiny_qwen3_dir(tmp_path_factory) -> str:
     """Qwen3: q/k norms, head_dim (32) unlike hidden_size / heads (16), tied embeddings."""
     return _tiny(tmp_path_factory, "tiny_qwen3", "Qwen3ForCausalLM", seed=3, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    """Qwen3-MoE: 8 experts, top-2, norm_topk_prob; layer 1 dense (mlp_only_layers); tied embeddings."""
+    return _tiny(tmp_path_factory, "tiny_qwen3_moe", "Qwen3MoeForCausalLM", seed=4, tie_word_embeddings=True,
+                 **QWEN3_MOE)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3: MLA through q_lora_rank, interleaved rope rows, attention biases, yarn RoPE;
+    a dense first layer, then DeepSeekMoE (2 groups, 1 used, a shared expert, random correction bias)."""
+    return _tiny(tmp_path_factory, "tiny_deepseek_v3", "DeepseekV3ForCausalLM", seed=5, attention_bias=True,
+                 rope_parameters=DEEPSEEK_YARN_ROPE, **DEEPSEEK_V3)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_nolora_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3 variant: q_proj (no q_lora_rank), rope rows not interleaved, default RoPE, no
+    expert groups, two shared experts, weights not renormalised."""
+    overrides = {**DEEPSEEK_V3, "q_lora_rank": None, "n_group": 1, "topk_group": 1, "n_shared_experts": 2}
+    return _tiny(tmp_path_factory, "tiny_deepseek_v3_nolora", "DeepseekV3ForCausalLM", seed=6, rope_interleave=False,
+                 norm_topk_prob=False, **overrides)
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,8 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen3_dir"])
+@pytest.fixture(scope="module",
+                params=["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_v3_dir"])
 def model_case(request):
     model_dir = request.getfixturevalue(request.param)
     prompts = prompts_for(transformers.AutoConfig.from_pretrained(model_dir).vocab_size)

@@ -21,7 +21,23 @@ TINY_DEFAULTS: dict[str, Any] = dict(
 LLAMA3_ROPE: dict[str, Any] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# MoE configs: 8 experts, top-2. Qwen3-MoE with a dense layer in the middle (mlp_only_layers);
+# DeepSeek-V3 with MLA (q_lora_rank 48, kv_lora_rank 32, rope 16, nope 32, v 32), a dense first
+# layer, 2 expert groups of which 1 is used, a shared expert and a routing scale.
+QWEN3_MOE: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                                 norm_topk_prob=True, mlp_only_layers=[1])
+DEEPSEEK_V3: dict[str, Any] = dict(
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+    qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+# DeepSeek-V3's yarn, 256 tokens stretched 4x to the tiny models' 1024; mscale and mscale_all_dim
+# differ, so both the cos/sin factor and the softmax scale act.
+DEEPSEEK_YARN_ROPE: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                                      "mscale": 1.0, "mscale_all_dim": 0.8}
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                 "DeepseekV3ForCausalLM")
 
 
 def build_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, **config_overrides: Any) -> str:
@@ -40,6 +56,11 @@ def build_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, **config
                 param.normal_(0.0, config.initializer_range)
             elif "norm" in name:
                 param.normal_(1.0, 0.2)
+        # DeepSeek's selection-only bias starts at 0; drawn at the scale of the sigmoid scores'
+        # spread, it changes which experts some tokens choose.
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)

@@ -1,0 +1,137 @@
+"""The decoder skeleton the MoE architectures share: a pre-norm layer around any attention and any MLP
+(dense, or a sparse MoE block), the model (embedding, layers, final norm, RoPE), and a CausalLM
+base with the interface of llama.py whose weight loader also routes per-expert checkpoint tensors
+into FusedMoE's stacked weights.
+
+A subclass states how layer i is built (`make_layer`) and its RoPE dimension. The residual add is
+carried into the next norm as in Llama. This file must never hold an architecture's own layers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
+from rackserve.model.moe import FusedMoE, expert_checkpoint_name
+from rackserve.model.rotary import RotaryEmbedding, rope_parameters
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict[str, Any], self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = h if residual is None else h + residual
+        h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
+        residual = h + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: dict[str, Any], layers: list[nn.Module], rope_dim: int, max_position: int):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
+        self.rotary_emb = RotaryEmbedding(rope_dim, max_position, rope_parameters(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, attn_metadata)
+        return self.norm(h + residual)
+
+
+class MoECausalLM(nn.Module, ABC):
+    # checkpoint name part -> (our fused parameter's name part, shard id)
+    stacked_params: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
+        super().__init__()
+        assert groups.tp.world_size == 1, f"{type(self).__name__} is not split for tensor parallelism yet"
+        self.config = config
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        layers = [self.make_layer(config, i, attn_backend, groups) for i in range(config["num_hidden_layers"])]
+        self.model = DecoderModel(config, layers, self.rope_dim(config), max_position)
+        self.lm_head = LMHead(config["vocab_size"], config["hidden_size"],
+                              self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    @abstractmethod
+    def make_layer(self, config: dict[str, Any], layer_idx: int, attn_backend: str,
+                   groups: ParallelGroups) -> nn.Module:
+        """Decoder layer `layer_idx`: a DecoderLayer with this architecture's attention and MLP."""
+
+    @staticmethod
+    @abstractmethod
+    def rope_dim(config: dict[str, Any]) -> int:
+        """How many dimensions of each head RoPE rotates."""
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors that no parameter takes."""
+        return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises on an unknown name or a parameter left unloaded. Tensors
+        of experts this rank does not hold are skipped."""
+        params = dict(self.named_parameters())
+        moes = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+        seen: dict[str, set[object]] = {}
+        for name, tensor in weights:
+            if self.skip_weight(name):
+                continue
+            shard: object = None
+            expert = expert_checkpoint_name(name)
+            if expert is not None:
+                moe_name, name, shard = expert
+                if moe_name not in moes:
+                    raise KeyError(f"checkpoint tensor of expert {shard} has no MoE layer {moe_name!r}")
+                if not moes[moe_name].placement.holds(shard[0]):
+                    continue
+            else:
+                part = name.split(".")[-2] if "." in name else ""
+                if part in self.stacked_params:
+                    fused, shard = self.stacked_params[part]
+                    name = name.replace(f".{part}.", f".{fused}.")
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            seen.setdefault(name, set()).add(shard)
+        for name, param in params.items():
+            module, part = name.rsplit(".", 1)[0], name.split(".")[-2] if "." in name else ""
+            if module in moes:
+                want = moes[module].expected_shards(param)
+            else:
+                want = {s for p, (f, s) in self.stacked_params.items() if f == part} or {None}
+            got = seen.get(name, set())
+            if got != want:
+                missing = sorted(want - got, key=str)[:4]
+                raise ValueError(f"parameter {name!r} was not (fully) loaded: shards {missing} missing of {len(want)}")
+        for module in self.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
