@@ -35,7 +35,9 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {}
 # Modules imported before parsing so that their register_subcommand calls take effect; a module
 # that defines subcommands (say rackserve.bench.cli) adds its name here.
-COMMAND_MODULES: tuple[str, ...] = ("rackserve.bench.offline", "rackserve.bench.serve_bench", "rackserve.bench.plot")
+COMMAND_MODULES: tuple[str, ...] = ("rackserve.bench.offline", "rackserve.bench.serve_bench", "rackserve.bench.plot",
+                                   "rackserve.bench.forward", "rackserve.serve.worker_cli", "rackserve.bench.gate",
+                                   "rackserve.bench.comm")
 
 
 def register_subcommand(name: str, help: str, add_args: Callable[[argparse.ArgumentParser], object]):

@@ -1,0 +1,299 @@
+"""The machinery of `rackserve bench forward`: exact steps (ForwardPoint, RepeatedStep), what a
+step must at least move and compute (ModelCost), the timing loop that alternates the sides of an
+A/B (time_point), and the per-layer-kind profiler of an in-process model.
+
+A step is a SchedulerOutput built here, not by a scheduler: its requests already hold
+`context_len` computed tokens, their block tables cover context + new tokens, and the KV content
+is whatever the cache holds (zeros), since attention costs the same for any values. This file
+must never reach into a runner's state (a step is repeated through the step contract alone; only
+the profiler hooks the in-process model, and removes its hooks), and never imports torch at
+module level (the `rackserve` command imports it before parsing).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from rackserve.config import EngineConfig, ModelConfig
+from rackserve.core.outputs import NewRequestData, SchedulerOutput
+from rackserve.executor.base import Executor
+from rackserve.sampling_params import SamplingParams
+
+MIN_STEPS = 3           # timed steps per setting and point, however long a step takes
+PROFILE_STEPS = 3       # extra steps with hooks, after (never among) the timed ones
+KINDS = ("embedding", "attention", "mlp/moe", "norm", "lm_head+sampling", "other")
+
+
+@dataclass(frozen=True)
+class ForwardPoint:
+    mode: str               # "prefill" | "decode"
+    batch_size: int
+    context_len: int        # tokens of each request already in the KV cache
+    new_tokens: int         # tokens each request computes in the step (1 in decode mode)
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.new_tokens
+
+    def num_blocks(self, block_size: int) -> int:
+        return self.batch_size * -(-self.kv_len // block_size)
+
+
+class RepeatedStep:
+    """One exact batch, sent as often as needed. Two copies of the step under two sets of request
+    ids alternate, each retiring the other's requests through `finished_req_ids`, so every step
+    starts from the same worker state and does the same work (a request re-sent as "cached"
+    would have grown by its sampled token). Each request's prompt is context + new tokens and it
+    samples one token, greedily, at its end: the step a decode (or a prefill ending a prompt) is."""
+
+    def __init__(self, point: ForwardPoint, block_size: int, vocab_size: int, seed: int):
+        rng = random.Random(seed)
+        blocks_per_req = point.num_blocks(block_size) // point.batch_size
+        # Low ids are where tokenizers keep their special tokens.
+        prompts = [[rng.randrange(min(256, vocab_size - 1), vocab_size) for _ in range(point.kv_len)]
+                   for _ in range(point.batch_size)]
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        tag = f"fwd-{point.mode}-b{point.batch_size}-c{point.context_len}-n{point.new_tokens}"
+        self.copies: list[SchedulerOutput] = []
+        for copy in range(2):
+            ids = [f"{tag}-{copy}-{i}" for i in range(point.batch_size)]
+            other = {f"{tag}-{1 - copy}-{i}" for i in range(point.batch_size)}
+            reqs = [NewRequestData(rid, prompt, [], params,
+                                   list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), point.context_len)
+                    for i, (rid, prompt) in enumerate(zip(ids, prompts))]
+            self.copies.append(SchedulerOutput(reqs, [], {rid: point.new_tokens for rid in ids},
+                                               point.batch_size * point.new_tokens, finished_req_ids=other))
+        self.sent = 0
+
+    def next(self) -> SchedulerOutput:
+        self.sent += 1
+        return self.copies[(self.sent - 1) % 2]
+
+    def retire(self) -> SchedulerOutput:
+        """The empty step that drops the last copy's requests, as a finished batch would be."""
+        last = self.copies[(self.sent - 1) % 2]
+        return SchedulerOutput([], [], {}, 0, finished_req_ids=set(last.num_scheduled_tokens))
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one step must at least move and compute, counted on a meta-device copy of the model
+    (no memory, any executor). Routed experts are assumed chosen uniformly: a step of T tokens
+    reads the expected share 1 - (1 - k/E)^T of them and computes k of E per token."""
+    weight_bytes: int           # weights every step reads, routed experts aside (an untied embedding is only gathered)
+    expert_bytes: int           # all routed experts of all layers
+    linear_params: int          # dense Linear parameters: 2 FLOPs each per token
+    expert_params: int          # routed experts: 2 FLOPs each per token, times k/E
+    num_experts: int            # E (0: a dense model)
+    experts_per_token: int      # k
+    lm_head_params: int         # 2 FLOPs each per sampled row
+    attn_flops_per_pair: int    # one query and one cached key, over every layer: q.k and p.v
+    kv_bytes_per_token: int     # what every layer caches for one token
+
+    def step_bytes(self, p: ForwardPoint) -> int:
+        tokens = p.batch_size * p.new_tokens
+        touched = 1 - (1 - self.experts_per_token / self.num_experts) ** tokens if self.num_experts else 0.0
+        return round(self.weight_bytes + touched * self.expert_bytes + p.batch_size * p.kv_len * self.kv_bytes_per_token)
+
+    def step_flops(self, p: ForwardPoint) -> int:
+        tokens = p.batch_size * p.new_tokens
+        active = self.expert_params * self.experts_per_token // self.num_experts if self.num_experts else 0
+        # The causal span: the query at position x sees x + 1 keys.
+        pairs = p.batch_size * (p.new_tokens * p.context_len + p.new_tokens * (p.new_tokens + 1) // 2)
+        return (2 * (self.linear_params + active) * tokens + 2 * self.lm_head_params * p.batch_size
+                + self.attn_flops_per_pair * pairs)
+
+
+def model_cost(model_config: ModelConfig) -> ModelCost:
+    import torch
+
+    from rackserve.distributed.parallel_state import ParallelGroups
+    from rackserve.model.layers import Linear, LMHead, VocabEmbedding
+    from rackserve.model.loader import ModelInfo, read_hf_config
+    from rackserve.model.models import get_model_class
+    from rackserve.model.moe import FusedMoE
+    if model_config.model.endswith(".gguf"):
+        from rackserve.model.gguf_loader import gguf_config, open_gguf
+        config = gguf_config(open_gguf(model_config.model))
+    else:
+        config = read_hf_config(model_config.model)
+    dtype = getattr(torch, model_config.dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)      # as the loader builds it: layers that insist on float32 keep it
+    try:
+        with torch.device("meta"):
+            model = get_model_class(config["architectures"][0])(config, "torch", 1, ParallelGroups.single())
+    finally:
+        torch.set_default_dtype(default)
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    head_weights = {id(m.weight) for m in heads}
+    gathered = [m.weight for m in model.modules() if isinstance(m, VocabEmbedding) and id(m.weight) not in head_weights]
+    experts = [p for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters(recurse=False)]
+    moe = next((m for m in model.modules() if isinstance(m, FusedMoE)), None)
+    heads_n, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):      # MLA, counted unabsorbed: q.k over nope + rope dims, p.v over v
+        qk, v = config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"]
+    else:
+        qk = v = config.get("head_dim") or config["hidden_size"] // heads_n
+    return ModelCost(
+        weight_bytes=nbytes(model.parameters()) - nbytes(gathered) - nbytes(experts),
+        expert_bytes=nbytes(experts),
+        linear_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear)),
+        expert_params=sum(p.numel() for p in experts),
+        num_experts=moe.placement.num_experts if moe is not None else 0,
+        experts_per_token=config.get("num_experts_per_tok", 0) if moe is not None else 0,
+        lm_head_params=sum(m.weight.numel() for m in heads),
+        attn_flops_per_pair=2 * layers * heads_n * (qk + v),
+        kv_bytes_per_token=ModelInfo.from_config(config, dtype).kv_cache_bytes_per_token)
+
+
+def _layer_kind(leaf: str, module) -> str | None:
+    """A module's kind by its type (the shared layers) or its attribute name in the decoder layer."""
+    from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
+    if isinstance(module, LMHead):
+        return "lm_head+sampling"
+    if isinstance(module, VocabEmbedding):
+        return "embedding"
+    if isinstance(module, RMSNorm):
+        return "norm"
+    if leaf in ("self_attn", "attn"):
+        return "attention"
+    if leaf in ("mlp", "moe", "block_sparse_moe"):
+        return "mlp/moe"
+    return None
+
+
+class LayerKindProfiler:
+    """Forward hooks on an in-process model that add up the wall time of each layer kind. The
+    lm_head's time runs from its start to the end of the step, so it includes sampling; "other"
+    is the rest (input preparation, attention metadata, rotary, residual adds). On CUDA every
+    hook synchronizes, which slows the profiled steps: they are never the timed ones."""
+
+    def __init__(self, model, device: str):
+        import torch
+        self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self._start = 0.0
+        self.lm_head_start: float | None = None
+        self.handles = []
+        claimed: list[str] = []
+        for name, module in model.named_modules():
+            if any(name.startswith(c + ".") for c in claimed):
+                continue    # inside a module already timed (a q/k norm inside attention)
+            kind = _layer_kind(name.rsplit(".", 1)[-1], module)
+            if kind is not None:
+                claimed.append(name)
+                self.handles += [module.register_forward_pre_hook(self._pre(kind)),
+                                 module.register_forward_hook(self._post(kind))]
+
+    def _pre(self, kind: str):
+        def hook(module, args):
+            self.sync()
+            # Kinds never nest (see __init__), so one start time at a time is enough.
+            self._start = time.perf_counter()
+            if kind == "lm_head+sampling":
+                self.lm_head_start = self._start
+        return hook
+
+    def _post(self, kind: str):
+        def hook(module, args, output):
+            if kind != "lm_head+sampling":
+                self.sync()
+                self.seconds[kind] += time.perf_counter() - self._start
+        return hook
+
+    def step(self, execute, scheduler_output: SchedulerOutput) -> None:
+        before = sum(self.seconds.values())
+        self.lm_head_start = None
+        t0 = time.perf_counter()
+        execute(scheduler_output)
+        t1 = time.perf_counter()
+        assert self.lm_head_start is not None, "the step computed no logits"
+        self.seconds["lm_head+sampling"] += t1 - self.lm_head_start
+        self.seconds["other"] += (t1 - t0) - (sum(self.seconds.values()) - before)
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.seconds.values())
+        return {k: v / total for k, v in self.seconds.items()}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Side(NamedTuple):
+    """One executor under test and the config it was built from."""
+    executor: Executor
+    config: EngineConfig
+
+
+@dataclass
+class Timing:
+    warmup_steps: int
+    step_s: list[float] = field(default_factory=list)
+    tokens_timed: int = 0       # total_num_scheduled_tokens summed over the timed SchedulerOutputs
+    tokens_sampled: int = 0     # tokens the timed steps returned
+    profile: dict[str, float] | None = None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens_timed / len(self.step_s) / self.median_s
+
+    def summary(self) -> dict:
+        deciles = statistics.quantiles(self.step_s, n=10, method="inclusive")
+        return {"steps": len(self.step_s), "warmup_steps": self.warmup_steps, "tokens_timed": self.tokens_timed,
+                "tokens_sampled": self.tokens_sampled, "median_s": self.median_s, "p10_s": deciles[0],
+                "p90_s": deciles[-1], "min_s": min(self.step_s), "max_s": max(self.step_s), "tok_s": self.tok_s,
+                "profile": self.profile, "step_s": self.step_s}
+
+
+def _in_process_model(executor):
+    from rackserve.executor.uniproc import UniProcExecutor
+    return executor.model if isinstance(executor, UniProcExecutor) else None
+
+
+def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_steps: int,
+               seed: int, profile: bool = False) -> list[Timing]:
+    """Warm-up, then the settings' steps alternate (A, B, A, B, ...) until each has run
+    `seconds` and at least MIN_STEPS times, so drift hits all of them alike. With `profile`,
+    PROFILE_STEPS more steps per setting run with hooks (None where the runner is elsewhere)."""
+    steps = [RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed) for s in sides]
+    timings = [Timing(warmup_steps) for _ in sides]
+    for _ in range(warmup_steps):
+        for s, rs in zip(sides, steps):
+            s.executor.execute(rs.next())
+    while len(timings[0].step_s) < MIN_STEPS or min(sum(t.step_s) for t in timings) < seconds:
+        for s, rs, t in zip(sides, steps, timings):
+            so = rs.next()
+            t0 = time.perf_counter()
+            out = s.executor.execute(so)
+            t.step_s.append(time.perf_counter() - t0)
+            assert out.req_ids == list(so.num_scheduled_tokens), "every request ends its prompt and samples once"
+            t.tokens_timed += so.total_num_scheduled_tokens
+            t.tokens_sampled += sum(len(tokens) for tokens in out.sampled_token_ids)
+    if profile:
+        for s, rs, t in zip(sides, steps, timings):
+            model = _in_process_model(s.executor)
+            if model is None:
+                continue
+            profiler = LayerKindProfiler(model, s.config.model.device)
+            try:
+                for _ in range(PROFILE_STEPS):
+                    profiler.step(s.executor.execute, rs.next())
+            finally:
+                profiler.remove()
+            t.profile = profiler.shares()
+    for s, rs in zip(sides, steps):
+        s.executor.execute(rs.retire())
+    return timings
