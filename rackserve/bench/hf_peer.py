@@ -41,11 +41,10 @@ class _TokenTimes:
         pass
 
 
-def _no_eos_config(model, max_new_tokens: int):
+def _no_eos_config(max_new_tokens: int):
     import transformers
     # No EOS and no stop criteria but length: the peer generates exactly what rackserve does.
-    return transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
-                                         min_new_tokens=max_new_tokens, eos_token_id=None,
+    return transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
                                          pad_token_id=0)
 
 
@@ -54,7 +53,7 @@ def hf_stream_timing(model, prompt_ids: list[int], max_new_tokens: int) -> tuple
     streamer = _TokenTimes()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        model.generate(torch.tensor([prompt_ids]), generation_config=_no_eos_config(model, max_new_tokens),
+        model.generate(torch.tensor([prompt_ids]), generation_config=_no_eos_config(max_new_tokens),
                        streamer=streamer)
     times = streamer.times
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
@@ -74,5 +73,5 @@ def hf_batched_generate_seconds(model, requests: list[tuple[list[int], int]], ba
                 ids[row, width - len(prompt):] = torch.tensor(prompt)
                 mask[row, width - len(prompt):] = 1
             out_len = max(o for _, o in batch)
-            model.generate(ids, attention_mask=mask, generation_config=_no_eos_config(model, out_len))
+            model.generate(ids, attention_mask=mask, generation_config=_no_eos_config(out_len))
     return time.perf_counter() - t0

@@ -2,9 +2,9 @@
 ratios against HF transformers run on the same work in the same process, and against the
 machine's limits measured on the spot (never asserted in tests).
 
-latency: one stream, TTFT and decode tokens/s, against the weight-read limit (bandwidth / bytes
-of weights). throughput: N requests of mixed lengths at once, processed (prompt + output) tokens/s,
-against the matmul limit (FLOP/s / 2 x parameters per token).
+latency: one stream, TTFT and decode tokens/s, against the weight-read limit (bandwidth / bytes a
+decode step must read). throughput: N requests of mixed lengths at once, processed (prompt +
+output) tokens/s, against the matmul limit (the workload's FLOPs at the measured matmul rate).
 """
 from __future__ import annotations
 
@@ -35,10 +35,20 @@ def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(256, vocab) for _ in range(n)]
 
 
-def _model_stats(llm) -> tuple[int, int]:
-    """(bytes of weights, parameters) of the loaded model."""
-    params = list(llm.engine.core.executor.model.parameters())
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+def _cost(llm):
+    """What the model must read and compute, counted on a meta-device copy (any executor)."""
+    from rackserve.bench.forward_steps import model_cost
+    return model_cost(llm.engine.config.model)
+
+
+def _workload_flops(cost, requests: list[tuple[list[int], int]]) -> int:
+    """FLOPs of serving the requests: each prompt's prefill, then each decode over its context."""
+    from rackserve.bench.forward_steps import ForwardPoint
+    total = 0
+    for prompt, out in requests:
+        total += cost.step_flops(ForwardPoint("prefill", 1, 0, len(prompt)))
+        total += sum(cost.step_flops(ForwardPoint("decode", 1, len(prompt) + j, 1)) for j in range(out - 1))
+    return total
 
 
 def _write(path: str | None, result: dict) -> None:
@@ -85,14 +95,15 @@ def run_latency(args: argparse.Namespace) -> None:
     runs = [_stream_once(llm, prompt, args.output_len, f"run{i}") for i in range(args.runs)]
     ttft = statistics.median(r[0] for r in runs)
     tps = statistics.median(r[1] for r in runs)
-    weight_bytes, _ = _model_stats(llm)
+    from rackserve.bench.forward_steps import ForwardPoint
+    step_bytes = _cost(llm).step_bytes(ForwardPoint("decode", 1, args.input_len + args.output_len // 2, 1))
     device = llm.engine.config.model.device
     llm.shutdown()
     limits = measure_limits(device)
-    limit_tps = limits.mem_read_gbps * 1e9 / weight_bytes
+    limit_tps = limits.mem_read_gbps * 1e9 / step_bytes
     result = {"bench": "latency", "model": engine_args.model, "input_len": args.input_len,
               "output_len": args.output_len, "runs": args.runs, "limits": vars(limits),
-              "weight_bytes": weight_bytes, "rackserve": {"ttft_s": ttft, "decode_tok_s": tps},
+              "decode_step_bytes": step_bytes, "rackserve": {"ttft_s": ttft, "decode_tok_s": tps},
               "weight_read_limit_tok_s": limit_tps}
     print(f"machine: {limits.describe()}")
     print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
@@ -142,15 +153,16 @@ def run_throughput(args: argparse.Namespace) -> None:
                         [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for _, o in requests])
     elapsed = time.perf_counter() - t0
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(o for _, o in requests)
-    _, num_params = _model_stats(llm)
+    flops = _workload_flops(_cost(llm), requests)
     device = llm.engine.config.model.device
     llm.shutdown()
     limits = measure_limits(device)
-    limit_tps = limits.matmul_gflops * 1e9 / (2 * num_params)
+    # The processed-token rate at which the workload's FLOPs run at the measured matmul rate.
+    limit_tps = total / (flops / (limits.matmul_gflops * 1e9))
     tps = total / elapsed
     result = {"bench": "throughput", "model": engine_args.model, "num_prompts": args.num_prompts,
               "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(o for _, o in requests),
-              "limits": vars(limits), "params": num_params,
+              "limits": vars(limits), "flops": flops,
               "rackserve": {"seconds": elapsed, "processed_tok_s": tps}, "matmul_limit_tok_s": limit_tps}
     print(f"machine: {limits.describe()}")
     print(f"{args.num_prompts} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} "
