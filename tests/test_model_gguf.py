@@ -4,12 +4,10 @@ them (q/k rows permuted for llama, rope scaling as rope_freqs) against the HF or
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from rackserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from rackserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -23,13 +21,6 @@ from tests.tiny_models import load_hf
 SMOLLM2_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
                   19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 19842, 281, 582, 2229,
                   30, 2, 198, 1, 520, 9531, 198]
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf(smollm2_gguf):
-    """transformers' own dequantization and llama.cpp un-permutation of the file (~20-40 s)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +62,9 @@ def test_smollm2_runner_greedy_matches_generate(smollm2_gguf, smollm2_hf):
         done = len(prompt) + i
         out = runner.execute_model(SchedulerOutput([], [CachedRequestData("r", [], done)], {"r": 1}, 1))
         tokens += out.sampled_token_ids[0]
-    ref = smollm2_hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n_out, eos_token_id=None)
+    ids = torch.tensor([prompt])   # the mask is explicit: the pad id (<|im_end|>) is in the prompt
+    ref = smollm2_hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_out,
+                              eos_token_id=None)
     assert tokens == ref[0, len(prompt):].tolist()
 
 

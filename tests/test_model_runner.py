@@ -82,7 +82,8 @@ class HandScheduler:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None)
+    ids = torch.tensor([prompt])   # an explicit mask: prompt tokens equal to the pad id stay in
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None)
     assert out.shape[1] == len(prompt) + n, "generate stopped early"
     return out[0, len(prompt):].tolist()
 
@@ -114,7 +115,7 @@ def test_mixed_step_of_prefill_chunks_and_decodes(llama):
     for i, n in enumerate([5, 12, 17]):
         s.add(f"d{i}", prompt(n, 10 + i))
     s.step({"d0": 5, "d1": 12, "d2": 17})
-    late = s.add("late", prompt(30, 20))
+    s.add("late", prompt(30, 20))
     # The prefill chunk sits between decodes, so decode rows are not contiguous in the batch.
     out = s.step({"d0": 1, "late": 11, "d1": 1, "d2": 1})
     assert out.req_ids == ["d0", "d1", "d2"]

@@ -2,7 +2,7 @@
 DeepSeek-V3 sigmoid + correction bias + groups), and the pruned gate (MegaGate) against the plain
 gate on many-expert configs: its bound always holds, it chooses the same experts with the same
 weights (up to the rounding of the router's dot products), ties go to the lower id in both, and it
-scores far fewer experts than there are.
+scores far fewer experts than there are; both route an empty batch.
 """
 from __future__ import annotations
 
@@ -106,6 +106,14 @@ def test_pruned_gate_chooses_what_the_plain_gate_chooses(name, hidden):
     pruned = pruned_like(plain)
     x = torch.randn(300, hidden, generator=torch.Generator().manual_seed(1))
     assert assert_same_routing(plain, x, pruned(x)) <= 1
+
+
+@pytest.mark.parametrize("gate", ["plain", "pruned"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_an_empty_batch_routes_to_nothing(name, gate):
+    # An idle DP rank runs its MoE layers on zero tokens, so that the expert-parallel all-to-alls match.
+    routing = random_router(CONFIGS[name], 64, gate)(torch.empty(0, 64))
+    assert routing.topk_ids.shape == routing.topk_weights.shape == (0, CONFIGS[name].top_k)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -53,7 +53,9 @@ def hf_stream_timing(model, prompt_ids: list[int], max_new_tokens: int) -> tuple
     streamer = _TokenTimes()
     with torch.inference_mode():
         t0 = time.perf_counter()
-        model.generate(torch.tensor([prompt_ids]), generation_config=_no_eos_config(max_new_tokens),
+        ids = torch.tensor([prompt_ids])
+        # An explicit mask, or generate() masks out prompt tokens equal to the pad id.
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_no_eos_config(max_new_tokens),
                        streamer=streamer)
     times = streamer.times
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])

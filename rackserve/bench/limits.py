@@ -67,6 +67,5 @@ def measure_limits(device: str = "cpu", dtype: torch.dtype = torch.float32, repe
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     mm_s = _median_seconds(lambda: a @ b, max(3, repeats // 2), sync)
-    del buf, a, b
     return Limits(device, processor_name(device), torch.get_num_threads(), size / read_s / 1e9,
                   2 * n**3 / mm_s / 1e9)
