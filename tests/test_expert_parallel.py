@@ -20,7 +20,8 @@ import torch
 from rackserve import LLM, SamplingParams
 from rackserve.config import ParallelConfig
 from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups, free_port, init_distributed
-from rackserve.engine.stats import StatLogger, sum_expert_token_counts
+from rackserve.core.stats import sum_expert_token_counts
+from rackserve.engine.stats import StatLogger
 from rackserve.executor.worker import WorkerError
 from rackserve.model.moe import FusedMoE
 from rackserve.model.moe_dispatch import ExpertPlacement
@@ -190,8 +191,8 @@ def test_expert_counts_reach_metrics(tiny_qwen3_moe_dir):
     assert any(o.num_cached_tokens for o in outs)
     assert counts.total is not None and sum(counts.total) == 2 * 2 * forward_tokens
     text = prometheus.exposition().decode()
-    exposed = {int(m[1]): float(m[2]) for m in
-               re.finditer(r'^rackserve:moe_expert_tokens_total\{expert="(\d+)",model_name="tiny"\} (\S+)$', text, re.M)}
+    series = r'^rackserve:moe_expert_tokens_total\{expert="(\d+)",model_name="tiny"\} (\S+)$'
+    exposed = {int(m[1]): float(m[2]) for m in re.finditer(series, text, re.M)}
     assert exposed == {e: float(n) for e, n in enumerate(counts.total) if n > 0}
 
 

@@ -1,12 +1,15 @@
-"""`rackserve bench comm`: latency of the collectives tensor parallelism pays per layer, between
-worker processes of this machine, through the very calls the model layers make
-(GroupCoordinator.all_reduce, all_gather, broadcast_object), for small and large messages; with
-`--model`, also real tensor-parallel steps of that model, and how much of each step every rank
-spends inside collectives (waiting for its peers included).
+"""`rackserve bench comm`: latency of the collectives tensor and expert parallelism pay per layer,
+between worker processes of this machine, through the very calls the model layers make
+(GroupCoordinator.all_reduce, all_gather, all_to_all, broadcast_object), for small and large
+messages; with `--model`, also real tensor-parallel (or, with --enable-expert-parallel, expert-
+parallel) steps of that model, and how much of each step every rank spends inside collectives
+(waiting for its peers included).
 
 For the collectives rank 0's view is reported: per message size the median, mean and p90 of one
-call, and the bandwidth (bytes / median). A forward pass waits out every call in turn, so what it
-pays is the mean (tails included) times its calls per step; docs/parallelism.md works this out.
+call, and the bandwidth (bytes / median). all_gather's bytes are each rank's share; all_to_all's
+are what each rank sends, in equal parts to every rank (itself included), as a MoE dispatch does.
+A forward pass waits out every call in turn, so what it pays is the mean (tails included) times
+its calls per step; docs/parallelism.md works this out.
 This file owns the command; it must never import torch at module level, and never asserts a speed.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from rackserve.serve.cli import register_subcommand
 
-OPS = ("all_reduce", "all_gather", "broadcast_object")
+OPS = ("all_reduce", "all_gather", "all_to_all", "broadcast_object")
 WARMUP = 20             # untimed calls per op and size
 WARMUP_STEPS = 3        # untimed model steps per batch size
 
@@ -53,6 +56,8 @@ def _add_comm_args(parser: argparse.ArgumentParser) -> None:
     steps.add_argument("--context-len", type=int, default=256, help="tokens already in the KV cache per request")
     steps.add_argument("--new-tokens", type=int, default=256, help="tokens per request per step (prefill mode)")
     steps.add_argument("--steps", type=int, default=30, help=f"timed steps per batch size (after {WARMUP_STEPS} more)")
+    steps.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: shard the experts over the ranks instead of splitting each over them")
     parser.add_argument("--output", help="write the results as JSON here")
 
 
@@ -67,7 +72,9 @@ def _rank_main(rank: int, spec: dict, port: int, conn: Connection) -> None:
         torch.cuda.set_device(rank)
     torch.set_num_threads(spec["threads"])
     timer = CollectiveTimer()
-    groups = init_distributed(ParallelConfig(spec["world_size"], spec["backend"], master_port=port), rank, timer)
+    parallel = ParallelConfig(spec["world_size"], spec["backend"], master_port=port,
+                              enable_expert_parallel=spec["enable_expert_parallel"])
+    groups = init_distributed(parallel, rank, timer)
     rows = [_time_collective(groups.world, op, size, spec["iters"], device)
             for op in spec["ops"] for size in spec["sizes"]]
     if spec["model"] is not None:
@@ -81,6 +88,9 @@ def _rank_main(rank: int, spec: dict, port: int, conn: Connection) -> None:
 def _time_collective(group, op: str, size: int, iters: int, device: str) -> dict:
     import torch
     x = torch.ones(size // 4, device=device)
+    # all_to_all: equal parts for every rank; rows of one float each.
+    part = size // 4 // group.world_size
+    parts = [part] * group.world_size
     payload = {"token_ids": list(range(size // 8))}   # about `size` bytes pickled
 
     def call() -> None:
@@ -88,6 +98,8 @@ def _time_collective(group, op: str, size: int, iters: int, device: str) -> dict
             group.all_reduce(x)
         elif op == "all_gather":
             group.all_gather(x)
+        elif op == "all_to_all":
+            group.all_to_all(x[:part * group.world_size], parts, parts)
         else:
             group.broadcast_object(payload if group.is_first_rank else None)
         if device == "cuda":
@@ -117,7 +129,8 @@ def _time_model_steps(spec: dict, groups, timer, rank: int) -> list[dict]:
     new = 1 if spec["mode"] == "decode" else spec["new_tokens"]
     points = [ForwardPoint(spec["mode"], b, spec["context_len"], new) for b in spec["batch_sizes"]]
     config = EngineArgs(model=spec["model"], tensor_parallel_size=spec["world_size"],
-                        distributed_backend=spec["backend"]).create_engine_config()
+                        distributed_backend=spec["backend"],
+                        enable_expert_parallel=spec["enable_expert_parallel"]).create_engine_config()
     blocks = max(p.num_blocks(config.cache.block_size) for p in points)
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_gpu_blocks_override=blocks))
     runner = ModelRunner(config, groups=groups)
@@ -159,8 +172,9 @@ def _print(rows: list[dict], spec: dict) -> None:
                   f"{r['collective_calls']:>6}")
 
 
-@register_subcommand("bench comm", "latency of all_reduce, all_gather and object broadcast between local "
-                     "worker processes; with --model, the share of real TP steps spent in them", _add_comm_args)
+@register_subcommand("bench comm", "latency of all_reduce, all_gather, all_to_all and object broadcast between "
+                     "local worker processes; with --model, the share of real TP or EP steps spent in them",
+                     _add_comm_args)
 def run_comm(args: argparse.Namespace) -> int:
     import torch.multiprocessing
 
@@ -170,7 +184,8 @@ def run_comm(args: argparse.Namespace) -> int:
         spec = {"world_size": args.world_size, "backend": args.backend, "sizes": _sizes(args.sizes), "ops": ops,
                 "iters": args.iters, "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size),
                 "model": args.model, "mode": args.mode, "context_len": args.context_len, "new_tokens": args.new_tokens,
-                "steps": args.steps, "batch_sizes": [int(b) for b in args.batch_sizes.split(",") if b.strip()]}
+                "steps": args.steps, "batch_sizes": [int(b) for b in args.batch_sizes.split(",") if b.strip()],
+                "enable_expert_parallel": args.enable_expert_parallel}
         if args.world_size < 2 or args.iters < 1 or args.steps < 1 or not set(ops) <= set(OPS):
             raise ValueError(f"--world-size >= 2, --iters and --steps >= 1, --ops among {OPS}")
     except ValueError as e:

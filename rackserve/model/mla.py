@@ -5,8 +5,10 @@ Per token and layer the cache holds only the latent: the normalised compressed K
 values) and the roped key shared by all heads (qk_rope_head_dim values), one KVCacheSpec "head"
 of their sum, paged like any cache. Keys and values per head are kv_b_proj(latent); the backend
 decides whether to expand them or to absorb kv_b_proj into the query and the output. The model
-computes the projections and RoPE; this op writes the cache and attends. This file must never
-allocate the cache or hold projections other than a reference to kv_b_proj.
+computes the projections and RoPE; this op writes the cache and attends. Under tensor parallelism
+num_heads and kv_b_proj's rows are this rank's heads only, while the cache holds the whole latent
+on every rank: the latent is per token, not per head, so it cannot be split by heads. This file
+must never allocate the cache or hold projections other than a reference to kv_b_proj.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class MLABackend(ABC):
         self.num_heads, self.kv_lora_rank, self.scale = num_heads, kv_lora_rank, scale
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         # Held, not registered: the model owns (and loads) kv_b_proj, its weight
-        # [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] is read at each forward.
+        # [num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank] (this rank's heads) is read
+        # at each forward.
         self.kv_b_proj = kv_b_proj
 
     @staticmethod

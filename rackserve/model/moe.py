@@ -1,28 +1,35 @@
 """The MoE layer (vLLM's FusedMoE): routed experts with stacked weights, cut at the seams that expert
-parallelism needs: which experts this rank holds (ExpertPlacement), moving tokens to the ranks
-that hold their experts and back (MoEDispatcher: dispatch, then combine), and the grouped expert
-compute (MoEBackend, a registry by name).
+parallelism needs: which experts this rank holds (ExpertPlacement) and moving tokens to the ranks
+that hold their experts and back (MoEDispatcher; both in model/moe_dispatch.py), and the grouped
+expert compute (MoEBackend, a registry by name).
 
-Weights are stacked per layer: w13_weight [E_local, 2 * I, H] (each expert's gate_proj rows, then
-its up_proj rows) and w2_weight [E_local, H, I] (down_proj), where E_local is this rank's slice of
-the experts; per-expert checkpoint tensors load into them by (expert id, "w1" | "w3" | "w2"). In
-one process the placement holds every expert and dispatch/combine are the identity; an
-all-to-all dispatcher and a slice of E are all that expert parallelism changes. This file must
-never choose experts (model/router.py does) nor know any architecture.
+Weights are stacked per layer: w13_weight [E_local, 2 * I_local, H] (each expert's gate_proj rows,
+then its up_proj rows) and w2_weight [E_local, H, I_local] (down_proj); per-expert checkpoint
+tensors load into them by (expert id, "w1" | "w3" | "w2"). How a layer splits over ranks
+(ParallelGroups), as vLLM does it:
+- one process: every expert, whole; dispatch and combine are the identity;
+- tensor parallelism: every expert on every rank, its intermediate features split over `tp`
+  (w13 by rows, w2 by columns, like an MLP's gate_up and down projections);
+- expert parallelism (`groups.ep` larger than one): E / ep_size whole experts per rank, tokens
+  moved by AllToAllDispatcher.
+Either way each rank ends with a partial sum of the layer's output (its features' share, or its
+TP share of the tokens), and one all-reduce over `tp` finishes the layer, shared experts included.
+Every layer counts the tokens routed to each global expert for /metrics. This file must never
+choose experts (model/router.py does) nor know any architecture.
 """
 from __future__ import annotations
 
 import importlib
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rackserve.model.layers import default_weight_loader, silu_and_mul
+from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model.layers import default_weight_loader, silu_and_mul, split_evenly
+from rackserve.model.moe_dispatch import AllToAllDispatcher, DispatchedTokens, ExpertPlacement, LocalDispatcher
 from rackserve.model.router import Routing
 
 # "model.layers.3.mlp.experts.17.gate_proj.weight": one expert's tensor in a checkpoint.
@@ -38,58 +45,6 @@ def expert_checkpoint_name(name: str) -> tuple[str, str, tuple[int, str]] | None
         return None
     shard = _SHARD_OF_PROJ[m["proj"]]
     return m["moe"], f"{m['moe']}.{'w2_weight' if shard == 'w2' else 'w13_weight'}", (int(m["expert"]), shard)
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """The experts this rank holds: global ids [first, first + num_local) of num_experts."""
-    num_experts: int
-    first: int
-    num_local: int
-
-    @classmethod
-    def all_local(cls, num_experts: int) -> "ExpertPlacement":
-        return cls(num_experts, 0, num_experts)
-
-    def holds(self, expert: int) -> bool:
-        return self.first <= expert < self.first + self.num_local
-
-    def to_local(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids to this rank's local ones; -1 for experts held elsewhere."""
-        local = topk_ids - self.first
-        return local.masked_fill((local < 0) | (local >= self.num_local), -1)
-
-
-class DispatchedTokens(NamedTuple):
-    """The tokens one rank computes experts for, after dispatch."""
-    hidden: torch.Tensor                # [N, H]
-    topk_ids: torch.Tensor              # [N, top_k] local expert ids; -1: held by another rank
-    topk_weights: torch.Tensor          # [N, top_k]
-    handle: Any                         # what combine needs to send results back (None locally)
-
-
-class MoEDispatcher(ABC):
-    @abstractmethod
-    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> DispatchedTokens:
-        """Send each token to the ranks holding its chosen experts."""
-
-    @abstractmethod
-    def combine(self, expert_out: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
-        """expert_out [N, H], each dispatched token's weighted expert sum on this rank, back to
-        [T, H] for the tokens this rank dispatched (summed over the ranks that computed them)."""
-
-
-class LocalDispatcher(MoEDispatcher):
-    """One rank holds every expert (or computes only for its own tokens): the identity."""
-
-    def __init__(self, placement: ExpertPlacement):
-        self.placement = placement
-
-    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> DispatchedTokens:
-        return DispatchedTokens(hidden, self.placement.to_local(routing.topk_ids), routing.topk_weights, None)
-
-    def combine(self, expert_out: torch.Tensor, tokens: DispatchedTokens) -> torch.Tensor:
-        return expert_out
 
 
 class MoEBackend(ABC):
@@ -149,20 +104,32 @@ class TorchMoEBackend(MoEBackend):
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one MoE layer ("mlp.experts" in checkpoints)."""
+    """The routed experts of one MoE layer ("mlp.experts" in checkpoints). `placement` (one process
+    only) holds a subset of the experts, for tests of the expert-parallel seam."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: str = "torch",
-                 placement: ExpertPlacement | None = None, dispatcher: MoEDispatcher | None = None):
+                 groups: ParallelGroups | None = None, placement: ExpertPlacement | None = None):
         super().__init__()
-        self.placement = placement or ExpertPlacement.all_local(num_experts)
+        groups = groups or ParallelGroups.single()
+        self.tp = groups.tp
+        if groups.ep.world_size > 1:
+            assert placement is None, "under expert parallelism the EP group places the experts"
+            self.placement = ExpertPlacement.for_rank(num_experts, groups.ep.world_size, groups.ep.rank_in_group)
+            self.dispatcher = AllToAllDispatcher(self.placement, groups.ep, groups.tp)
+            # Whole experts: the TP ranks split the tokens instead (see AllToAllDispatcher).
+            self.intermediate_held = (0, intermediate_size)
+        else:
+            self.placement = placement or ExpertPlacement.all_local(num_experts)
+            self.dispatcher = LocalDispatcher(self.placement)
+            self.intermediate_held = split_evenly(intermediate_size, self.tp.world_size, self.tp.rank_in_group)
         assert self.placement.num_experts == num_experts
-        self.dispatcher = dispatcher or LocalDispatcher(self.placement)
         self.backend = get_moe_backend(backend)()
-        self.intermediate_size = intermediate_size
-        e = self.placement.num_local
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, intermediate_size), requires_grad=False)
+        e, i = self.placement.num_local, self.intermediate_held[1]
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        # (token, chosen expert) pairs per global expert since the runner last took them.
+        self.register_buffer("expert_token_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def expected_shards(self, param: nn.Parameter) -> set[tuple[int, str]]:
         """The shard ids a full load of `param` consists of: one per held expert and projection."""
@@ -173,17 +140,33 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         expert, which = shard_id
         assert self.placement.holds(expert), f"expert {expert} is not held on this rank"
-        local, i = expert - self.placement.first, self.intermediate_size
+        local, (start, size) = expert - self.placement.first, self.intermediate_held
         if which == "w2":
-            default_weight_loader(param.data[local], loaded)
+            default_weight_loader(param.data[local], loaded.narrow(1, start, size))
         else:
-            default_weight_loader(param.data[local].narrow(0, 0 if which == "w1" else i, i), loaded)
+            rows = param.data[local].narrow(0, 0 if which == "w1" else size, size)
+            default_weight_loader(rows, loaded.narrow(0, start, size))
 
     def forward(self, hidden: torch.Tensor, routing: Routing, shared_experts: nn.Module | None = None) -> torch.Tensor:
-        """[T, H]: the routed experts' weighted sum, plus the shared experts' output if given."""
+        """[T, H]: the routed experts' weighted sum, plus the shared experts' output if given. Under
+        TP, `shared_experts` must return its partial sum unreduced (its down projection split by
+        input features, not all-reduced): the one all-reduce here covers both."""
+        self.expert_token_counts += torch.bincount(routing.topk_ids.flatten(), minlength=self.placement.num_experts)
         tokens = self.dispatcher.dispatch(hidden, routing)
-        # Between dispatch and combine: where an all-to-all dispatcher overlaps the shared experts
-        # with the transfer.
+        # Between dispatch and combine: where an asynchronous all-to-all would overlap the
+        # shared experts with the transfer.
         shared = shared_experts(hidden) if shared_experts is not None else None
         out = self.dispatcher.combine(self.backend.apply(tokens, self.w13_weight, self.w2_weight), tokens)
-        return out if shared is None else out + shared
+        return self.tp.all_reduce(out if shared is None else out + shared)
+
+
+def take_expert_token_counts(moe_layers: list[FusedMoE]) -> list[int] | None:
+    """(token, chosen expert) pairs per global expert since the last call, summed over the layers,
+    whose counters restart at zero; None without MoE layers. Each rank counts the tokens of its
+    own batch (the ranks of a TP group count the same ones)."""
+    if not moe_layers:
+        return None
+    counts = torch.stack([m.expert_token_counts for m in moe_layers]).sum(0)
+    for m in moe_layers:
+        m.expert_token_counts.zero_()
+    return counts.tolist()

@@ -90,7 +90,7 @@ class PrunedGate(Gate):
             undecided = ~out & ~sure
             # Within such a group, only experts that can be among its best two set its score.
             second_lo = lo_g.topk(2, dim=-1).values[..., 1:]
-            self._score(x, weight, (undecided.unsqueeze(-1) & (hi_g >= second_lo)).view(t, -1), logits, scored)
+            self._score(x, weight, (undecided.unsqueeze(-1) & (hi_g >= second_lo)).view(t, cfg.num_experts), logits, scored)
             exact = choice_scores(cfg, logits, bias).masked_fill(~scored, float("-inf"))
             groups = group_scores(cfg, exact).masked_fill(out, float("-inf")).masked_fill(sure, float("inf"))
             in_groups = expert_mask_of_groups(cfg, topk_lowest_first(groups, cfg.topk_groups))

@@ -64,7 +64,9 @@ def choice_scores(cfg: RoutingConfig, logits: torch.Tensor, bias: torch.Tensor |
 
 def group_scores(cfg: RoutingConfig, scores: torch.Tensor) -> torch.Tensor:
     """[T, num_groups]: each group's two best choice scores, summed (DeepSeek-V3's rule)."""
-    return scores.view(scores.shape[0], cfg.num_groups, -1).topk(2, dim=-1).values.sum(-1)
+    # Sizes spelled out: an empty batch (an idle DP rank's forward) cannot infer a -1.
+    per_group = scores.view(scores.shape[0], cfg.num_groups, cfg.num_experts // cfg.num_groups)
+    return per_group.topk(2, dim=-1).values.sum(-1)
 
 
 def expert_mask_of_groups(cfg: RoutingConfig, group_ids: torch.Tensor) -> torch.Tensor:

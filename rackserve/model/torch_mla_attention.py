@@ -10,7 +10,9 @@ straight over the cached latent as one shared KV head of width rank + rope (MQA,
 rank dims): n * N * H * (2 * rank + rope), with no per-key expansion. For one query per request
 (decode) absorption saves the N * rank * H * (nope + v) term, which dominates at DeepSeek-V3's
 sizes by a factor of about 100; for long chunks the expansion is amortised over many queries and
-the narrower heads win. This file must never allocate the cache or decide what runs.
+the narrower heads win. Both forms work per head, so under tensor parallelism each rank runs them
+for its own heads over the same latent. This file must never allocate the cache or decide what
+runs.
 """
 from __future__ import annotations
 

@@ -9,7 +9,13 @@ rope key; the MLA op (model/mla.py) caches both and expands or absorbs kv_b_proj
 with rope_interleave (the default) store each rope part in interleaved pairs; their rows are
 permuted at load time so that the ordinary rotate-half RoPE computes transformers' interleaved
 result. With yarn RoPE the softmax scale grows by mscale(factor, mscale_all_dim)^2. Tensors of
-the multi-token-prediction layers past num_hidden_layers are skipped. This file must never
+the multi-token-prediction layers past num_hidden_layers are skipped.
+
+Tensor parallelism splits MLA as vLLM does: the heads (q_b_proj, or q_proj, and kv_b_proj column-
+parallel by heads, o_proj row-parallel) but not the latent (q_a_proj and kv_a_proj_with_mqa are
+replicated, and every rank caches the whole latent, for its own heads to read); the absorbed decode
+path works per local head. The experts split as FusedMoE does; the shared experts split like an
+MLP whose down projection leaves its partial sum to FusedMoE's one all-reduce. This file must never
 duplicate the shared skeleton's layers.
 """
 from __future__ import annotations
@@ -21,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rackserve.distributed.parallel_state import ParallelGroups
-from rackserve.model.layers import Linear, RMSNorm
+from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
+from rackserve.model.layers import (SINGLE, ColumnParallelLinear, Held, Linear, MergedLinear, RMSNorm,
+                                    RowParallelLinear, silu_and_mul, split_evenly)
 from rackserve.model.mla import MLAAttention
 from rackserve.model.models.llama import LlamaMLP
 from rackserve.model.models.moe_decoder import DecoderLayer, MoECausalLM
@@ -46,24 +53,35 @@ def deinterleave_rows(weight_loader: Callable[..., None], head_size: int, rope_d
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, config: dict[str, Any], attn_backend: str):
+    """num_heads is this rank's share of the heads."""
+
+    def __init__(self, config: dict[str, Any], attn_backend: str, tp: GroupCoordinator = SINGLE):
         super().__init__()
-        hidden, self.num_heads = config["hidden_size"], config["num_attention_heads"]
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
         self.nope, self.rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
         self.rank, v_dim, q_lora = config["kv_lora_rank"], config["v_head_dim"], config.get("q_lora_rank")
         qk_head, bias = self.nope + self.rope, bool(config.get("attention_bias", False))
+        if tp.world_size > heads:
+            raise ValueError(f"tensor_parallel_size={tp.world_size} exceeds the {heads} attention heads")
+        first, self.num_heads = split_evenly(heads, tp.world_size, tp.rank_in_group)
+
+        def by_heads(input_size: int, head_size: int) -> ColumnParallelLinear:
+            held = Held(heads * head_size, first * head_size, self.num_heads * head_size)
+            return ColumnParallelLinear(input_size, heads * head_size, tp=tp, held=[held])
         self.q_lora_rank = q_lora
         if q_lora:
             self.q_a_proj = Linear(hidden, q_lora, bias)
             self.q_a_layernorm = RMSNorm(q_lora, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(q_lora, self.num_heads * qk_head)
+            self.q_b_proj = by_heads(q_lora, qk_head)
         else:
-            self.q_proj = Linear(hidden, self.num_heads * qk_head)
+            self.q_proj = by_heads(hidden, qk_head)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.rank, self.num_heads * (self.nope + v_dim))
-        self.o_proj = Linear(self.num_heads * v_dim, hidden, bias)
+        self.kv_b_proj = by_heads(self.rank, self.nope + v_dim)
+        self.o_proj = RowParallelLinear(heads * v_dim, hidden, bias, tp,
+                                        input_held=(first * v_dim, self.num_heads * v_dim))
         if config.get("rope_interleave", True):
+            # The rows are permuted whole, before the column-parallel loader keeps its heads' rows.
             q_last = self.q_b_proj if q_lora else self.q_proj
             q_last.weight.weight_loader = deinterleave_rows(q_last.weight.weight_loader, qk_head, self.rope)
             kv_a = self.kv_a_proj_with_mqa
@@ -90,6 +108,21 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(self.mla_attn(q, kv_c, k_pe, attn_metadata))
 
 
+class DeepseekV3SharedExperts(nn.Module):
+    """The n_shared_experts shared experts, one SiLU MLP of n_shared_experts x moe_intermediate_size
+    features, split over `tp` like LlamaMLP; its down projection holds this rank's input columns
+    but reduces over no group (SINGLE), leaving its partial sum to FusedMoE's all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: GroupCoordinator):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], False, tp)
+        held = split_evenly(intermediate_size, tp.world_size, tp.rank_in_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, SINGLE, input_held=held)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
 class DeepseekV3MoE(nn.Module):
     def __init__(self, config: dict[str, Any], groups: ParallelGroups):
         super().__init__()
@@ -102,10 +135,10 @@ class DeepseekV3MoE(nn.Module):
                                 config.get("topk_group") or 1, float(config.get("routed_scaling_factor", 1.0)),
                                 use_correction_bias=True)
         self.gate = Router(hidden, routing)
-        self.experts = FusedMoE(num_experts, hidden, config["moe_intermediate_size"])
+        self.experts = FusedMoE(num_experts, hidden, config["moe_intermediate_size"], groups=groups)
         shared = config.get("n_shared_experts") or 0
-        self.shared_experts = (LlamaMLP({**config, "intermediate_size": config["moe_intermediate_size"] * shared},
-                                        groups.tp) if shared else None)
+        self.shared_experts = (DeepseekV3SharedExperts(hidden, config["moe_intermediate_size"] * shared, groups.tp)
+                               if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x), self.shared_experts)
@@ -119,7 +152,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         sparse = (config.get("n_routed_experts") and layer_idx >= config.get("first_k_dense_replace", 0)
                   and layer_idx % config.get("moe_layer_freq", 1) == 0)
         mlp = DeepseekV3MoE(config, groups) if sparse else LlamaMLP(config, groups.tp)
-        return DecoderLayer(config, DeepseekV3Attention(config, attn_backend), mlp)
+        return DecoderLayer(config, DeepseekV3Attention(config, attn_backend, groups.tp), mlp)
 
     @staticmethod
     def rope_dim(config: dict[str, Any]) -> int:

@@ -3,8 +3,10 @@
 base with the interface of llama.py whose weight loader also routes per-expert checkpoint tensors
 into FusedMoE's stacked weights.
 
-A subclass states how layer i is built (`make_layer`) and its RoPE dimension. The residual add is
-carried into the next norm as in Llama. This file must never hold an architecture's own layers.
+A subclass states how layer i is built (`make_layer`, handing each layer the groups it splits
+over) and its RoPE dimension. The residual add is carried into the next norm as in Llama. Under
+tensor parallelism the embedding and lm_head split the vocabulary over groups.tp as in Llama.
+This file must never hold an architecture's own layers.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
 from rackserve.model.moe import FusedMoE, expert_checkpoint_name
 from rackserve.model.rotary import RotaryEmbedding, rope_parameters
@@ -39,10 +41,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: dict[str, Any], layers: list[nn.Module], rope_dim: int, max_position: int):
+    def __init__(self, config: dict[str, Any], layers: list[nn.Module], rope_dim: int, max_position: int,
+                 tp: GroupCoordinator):
         super().__init__()
         hidden = config["hidden_size"]
-        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden)
+        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden, tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
         self.rotary_emb = RotaryEmbedding(rope_dim, max_position, rope_parameters(config))
@@ -64,13 +67,12 @@ class MoECausalLM(nn.Module, ABC):
 
     def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
         super().__init__()
-        assert groups.tp.world_size == 1, f"{type(self).__name__} is not split for tensor parallelism yet"
         self.config = config
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         layers = [self.make_layer(config, i, attn_backend, groups) for i in range(config["num_hidden_layers"])]
-        self.model = DecoderModel(config, layers, self.rope_dim(config), max_position)
+        self.model = DecoderModel(config, layers, self.rope_dim(config), max_position, groups.tp)
         self.lm_head = LMHead(config["vocab_size"], config["hidden_size"],
-                              self.model.embed_tokens if self.tie_word_embeddings else None)
+                              self.model.embed_tokens if self.tie_word_embeddings else None, groups.tp)
 
     @abstractmethod
     def make_layer(self, config: dict[str, Any], layer_idx: int, attn_backend: str,

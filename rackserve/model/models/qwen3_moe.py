@@ -1,6 +1,7 @@
 """Qwen3-MoE: Qwen3's attention (q/k norms) with a sparse MoE block in place of the MLP: softmax
 top-k routing (weights renormalised over the chosen experts when norm_topk_prob), no shared
 expert. Layers listed in mlp_only_layers, or off the decoder_sparse_step stride, keep a dense MLP.
+Tensor and expert parallelism split attention as Qwen3's and the experts as FusedMoE does.
 
 This file must never duplicate Qwen3's or the shared skeleton's layers; it only states how
 Qwen3-MoE differs.
@@ -26,14 +27,14 @@ def num_experts_of(config: dict[str, Any]) -> int:
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], groups: ParallelGroups):
         super().__init__()
         assert config.get("hidden_act", "silu") == "silu", f"unsupported activation {config.get('hidden_act')}"
         num_experts = num_experts_of(config)
         routing = RoutingConfig(num_experts, config["num_experts_per_tok"], "softmax",
                                 bool(config.get("norm_topk_prob", False)))
         self.gate = Router(config["hidden_size"], routing)
-        self.experts = FusedMoE(num_experts, config["hidden_size"], config["moe_intermediate_size"])
+        self.experts = FusedMoE(num_experts, config["hidden_size"], config["moe_intermediate_size"], groups=groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.experts(x, self.gate(x))
@@ -48,7 +49,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
                    groups: ParallelGroups) -> nn.Module:
         sparse = (layer_idx not in (config.get("mlp_only_layers") or []) and num_experts_of(config) > 0
                   and (layer_idx + 1) % config.get("decoder_sparse_step", 1) == 0)
-        mlp = Qwen3MoeSparseMoeBlock(config) if sparse else LlamaMLP(config, groups.tp)
+        mlp = Qwen3MoeSparseMoeBlock(config, groups) if sparse else LlamaMLP(config, groups.tp)
         return DecoderLayer(config, Qwen3Attention(config, attn_backend, groups.tp), mlp)
 
     @staticmethod
