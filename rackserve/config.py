@@ -44,17 +44,25 @@ class SchedulerConfig:
 class ParallelConfig:
     """How many ranks run one instance and how they meet. Ranks are numbered node by node: node
     k hosts ranks [k * local_world_size, (k + 1) * local_world_size). Rank 0 (on node 0, beside
-    the engine) hosts the TCP rendezvous at master_addr:master_port."""
+    the engine) hosts the TCP rendezvous at master_addr:master_port. Under data parallelism DP
+    rank d runs on the tensor-parallel group of ranks [d * tp, (d + 1) * tp): global rank =
+    dp_rank * tensor_parallel_size + tp_rank, so a TP group stays on one node when it fits."""
     tensor_parallel_size: int = 1
     distributed_backend: str = "gloo"   # "gloo" | "nccl" (resolved, never "auto")
     master_addr: str = "127.0.0.1"
     master_port: int | None = None      # None: a free port, chosen when the workers start (one node only)
     nnodes: int = 1
     node_rank: int = 0
+    data_parallel_size: int = 1         # attention replicas, each with its own scheduler and KV cache
+    enable_expert_parallel: bool = False    # MoE experts sharded over all world_size ranks
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.data_parallel_size * self.tensor_parallel_size
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The DP rank whose TP group holds global rank `rank`."""
+        return rank // self.tensor_parallel_size
 
     @property
     def local_world_size(self) -> int:
@@ -106,6 +114,8 @@ class EngineArgs:
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _opt(0, "seed of the sampler for requests without their own seed")
     tensor_parallel_size: int = _opt(1, "ranks (worker processes) that split each layer's weights")
+    data_parallel_size: int = _opt(1, "attention replicas (DP ranks), each with its own scheduler and KV "
+                                   "cache, stepping in lockstep; each has --tensor-parallel-size ranks")
     distributed_backend: str = _opt("auto", "torch.distributed backend between ranks; auto: nccl on "
                                     "cuda, gloo on cpu", choices=["auto", "gloo", "nccl"])
     master_addr: str = _opt("127.0.0.1", "address of node 0, where rank 0 hosts the rendezvous")
@@ -114,6 +124,9 @@ class EngineArgs:
     nnodes: int = _opt(1, "machines sharing the ranks; node 0 runs the engine, the others run "
                        "`rackserve worker`")
     node_rank: int = _opt(0, "this machine's index among the --nnodes")
+    enable_expert_parallel: bool = _opt(False, "MoE models: shard the experts over all ranks (data x tensor "
+                                        "parallel), each token sent to its experts' ranks and back by "
+                                        "all-to-all, instead of splitting every expert over the TP group")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -168,10 +181,11 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device))
 
     def _parallel_config(self, device: str) -> ParallelConfig:
-        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes
         _require(tp > 0, "tensor_parallel_size must be > 0")
-        _require(nnodes > 0 and tp % nnodes == 0,
-                 f"the {tp} ranks must split evenly over nnodes={nnodes} machines")
+        _require(dp > 0, "data_parallel_size must be > 0")
+        _require(nnodes > 0 and dp * tp % nnodes == 0,
+                 f"the {dp * tp} ranks must split evenly over nnodes={nnodes} machines")
         _require(0 <= self.node_rank < nnodes, f"node_rank must be in [0, {nnodes})")
         _require(nnodes == 1 or self.master_port is not None,
                  "--nnodes > 1 needs --master-port (and --master-addr) so the machines can meet")
@@ -179,7 +193,8 @@ class EngineArgs:
         if backend == "auto":
             backend = "nccl" if device == "cuda" else "gloo"
         _require(backend != "nccl" or device == "cuda", "the nccl backend needs device=cuda")
-        return ParallelConfig(tp, backend, self.master_addr, self.master_port, nnodes, self.node_rank)
+        return ParallelConfig(tp, backend, self.master_addr, self.master_port, nnodes, self.node_rank,
+                              data_parallel_size=dp, enable_expert_parallel=self.enable_expert_parallel)
 
 
 def _require(ok: bool, msg: str) -> None:

@@ -21,7 +21,7 @@ from rackserve.core.request import Request
 from rackserve.core.scheduler import Scheduler
 from rackserve.distributed.parallel_state import free_port
 from rackserve.engine.data_parallel import least_load, merge_dp_stats
-from rackserve.engine.stats import SchedulerStats
+from rackserve.core.stats import SchedulerStats
 from rackserve.serve.metrics import PrometheusStatLogger
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, prompts_for
 

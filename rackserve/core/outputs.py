@@ -63,6 +63,12 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[LogprobsLists | None]
+    # Seconds the DP rank spent computing this step, time inside collectives excluded (its wait
+    # for peers); the engine derives each DP rank's idle time from it. None: not measured.
+    busy_seconds: float | None = None
+    # Tokens routed to each global expert in this step, summed over the MoE layers (one per token
+    # and chosen expert; under DP this DP rank's tokens only). None: not an MoE model.
+    expert_token_counts: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [])

@@ -18,7 +18,7 @@ from rackserve.core.kv_cache_manager import KVCacheManager
 from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                     NewRequestData, SchedulerOutput)
 from rackserve.core.request import Request, RequestStatus
-from rackserve.engine.stats import SchedulerStats
+from rackserve.core.stats import SchedulerStats, sum_expert_token_counts
 
 
 class Scheduler:
@@ -133,6 +133,9 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        stats = self._stats
+        stats.expert_token_counts = sum_expert_token_counts([stats.expert_token_counts,
+                                                             runner_output.expert_token_counts])
         outputs = []
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                 runner_output.logprobs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -93,6 +93,19 @@ class GroupCoordinator:
         self._timed(start)
         return gathered
 
+    def all_to_all(self, x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int]) -> torch.Tensor:
+        """x's rows in runs of input_split_sizes[r] rows, run r sent to the group's rank r; returns
+        the rows received, output_split_sizes[r] of them from rank r, in group order. Every rank
+        must know what it will receive (exchange the counts first, with equal splits of one)."""
+        if self.world_size == 1:
+            assert output_split_sizes == input_split_sizes == [x.shape[0]]
+            return x
+        start = time.perf_counter()
+        out = x.new_empty((sum(output_split_sizes), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes, input_split_sizes, group=self.device_group)
+        self._timed(start)
+        return out
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """The object of the rank_in_group `src`, on every rank (others pass anything)."""
         if self.world_size == 1:
@@ -102,6 +115,14 @@ class GroupCoordinator:
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group)
         self._timed(start)
         return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's object, in group order, on the group's first rank; None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        box: list[Any] | None = [None] * self.world_size if self.is_first_rank else None
+        dist.gather_object(obj, box, dst=self.ranks[0], group=self.cpu_group)
+        return box
 
     def min(self, value: int) -> int:
         """The smallest of the ranks' integers."""
@@ -115,14 +136,22 @@ class GroupCoordinator:
 @dataclass(frozen=True)
 class ParallelGroups:
     """The groups one rank belongs to; a model takes this and hands each layer the group it splits
-    over. Expert- and data-parallel groups join as fields beside `tp`."""
+    over: `tp` within one DP rank, `ep` across all of them.
+
+    `dp` (vLLM's DP group) holds the ranks with this rank's TP index in every DP rank: its
+    rank_in_group is this rank's DP rank, and the DP group of TP index 0 links the DP ranks' first
+    ranks (the workers gather each step's outputs over it). No forward pass uses it."""
     world: GroupCoordinator
     tp: GroupCoordinator
+    dp: GroupCoordinator = field(default_factory=GroupCoordinator.single)
+    # The ranks whose MoE layers share out the experts (--enable-expert-parallel): every rank of the
+    # instance (DP x TP); a group of one without expert parallelism.
+    ep: GroupCoordinator = field(default_factory=GroupCoordinator.single)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
         one = GroupCoordinator.single()
-        return cls(world=one, tp=one)
+        return cls(world=one, tp=one, dp=one, ep=one)
 
 
 def init_distributed(parallel: ParallelConfig, rank: int, timer: CollectiveTimer | None = None) -> ParallelGroups:
@@ -140,7 +169,10 @@ def init_distributed(parallel: ParallelConfig, rank: int, timer: CollectiveTimer
                              dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT), timer)
     tp_size = parallel.tensor_parallel_size
     tp = _subgroup(world, [list(range(s, s + tp_size)) for s in range(0, world_size, tp_size)])
-    return ParallelGroups(world=world, tp=tp)
+    dp = _subgroup(world, [list(range(t, world_size, tp_size)) for t in range(tp_size)])
+    ep = _subgroup(world, [list(range(world_size))] if parallel.enable_expert_parallel else
+                   [[r] for r in range(world_size)])
+    return ParallelGroups(world=world, tp=tp, dp=dp, ep=ep)
 
 
 def _subgroup(world: GroupCoordinator, partition: list[list[int]]) -> GroupCoordinator:

@@ -1,45 +1,80 @@
-"""EngineCore: one instance's step loop body. It pairs the Scheduler with an Executor:
-schedule -> execute -> update_from_output, once per `step()`.
+"""EngineCore: one instance's step loop body. It pairs one Scheduler per DP rank (one in all but
+data-parallel instances) with an Executor: schedule every DP rank -> execute them in lockstep ->
+update each scheduler from its own rank's output, once per `step()`.
 
-It owns token ids only: no text, no tokenizer, no HTTP, no threads. The same class runs a real
-model (executor "uniproc") or a cost model (the simulator's executor).
+A new request goes to one DP rank, chosen by a placement policy (engine/data_parallel.py), and
+stays there: its n samples go with it, and an abort or stop finds it there. It owns token ids
+only: no text, no tokenizer, no HTTP, no threads. The same class runs a real model (executors
+"uniproc", "mp") or a cost model (the simulator's executor).
 """
 from __future__ import annotations
 
 from rackserve.config import EngineConfig
-from rackserve.core.outputs import EngineCoreOutput
+from rackserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.scheduler import Scheduler
-from rackserve.engine.stats import SchedulerStats
+from rackserve.engine.data_parallel import DPPlacement, least_load, merge_dp_stats
+from rackserve.core.stats import SchedulerStats
 from rackserve.executor.base import Executor, create_executor
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, placement: DPPlacement = least_load):
         self.executor = executor or create_executor(config)
-        self.config = config.with_model_len(self.executor.model_max_len)
-        self.scheduler = Scheduler(self.config, self.executor.num_kv_blocks)
+        try:
+            self.config = config.with_model_len(self.executor.model_max_len)
+            # DP rank i's scheduler plans for DP rank i's KV cache, whose size may differ from others'.
+            self.schedulers = [Scheduler(self.config, n) for n in self.executor.dp_num_kv_blocks]
+        except ValueError:
+            if executor is None:   # started here: its workers must not outlive the refusal
+                self.executor.shutdown()
+            raise
+        self.placement = placement
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; raises ValueError if it can never fit (nothing is queued then)."""
-        self.scheduler.add_request(request)
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of an instance with one DP rank."""
+        assert len(self.schedulers) == 1, "a data-parallel instance has one scheduler per DP rank"
+        return self.schedulers[0]
+
+    def add_requests(self, requests: list[Request]) -> int:
+        """Queue requests of one prompt (its n samples) on one DP rank, which shares their prompt's
+        KV, and return that rank; raises ValueError if they can never fit (nothing is queued then)."""
+        rank = self.placement(self.schedulers, requests[0])
+        for request in requests:
+            self.schedulers[rank].add_request(request)
+        return rank
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        # Each scheduler ends the requests it holds and ignores the others.
+        for scheduler in self.schedulers:
+            scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def stop_requests(self, stops: dict[str, str]) -> None:
         """End requests whose text hit a stop string (request id -> the stop string)."""
         for req_id, stop in stops.items():
-            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop)
+            for scheduler in self.schedulers:
+                scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return any(s.has_unfinished_requests() for s in self.schedulers)
 
     def step(self) -> tuple[list[EngineCoreOutput], SchedulerStats]:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return outputs, self.scheduler.make_stats()
+        scheduler_outputs = [s.schedule() for s in self.schedulers]
+        runner_outputs = self.executor.execute_dp(scheduler_outputs)
+        outputs = [out for s, so, ro in zip(self.schedulers, scheduler_outputs, runner_outputs)
+                   for out in s.update_from_output(so, ro)]
+        return outputs, self.make_stats(runner_outputs)
+
+    def make_stats(self, runner_outputs: list[ModelRunnerOutput] | None = None) -> SchedulerStats:
+        """The schedulers' stats merged, with each DP rank's idle time in the step that produced
+        `runner_outputs` (none when no step ran)."""
+        busy = [o.busy_seconds for o in runner_outputs] if runner_outputs else [None] * len(self.schedulers)
+        return merge_dp_stats([s.make_stats() for s in self.schedulers], self.executor.dp_num_kv_blocks, busy)
+
+    def check_integrity(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.check_integrity()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -68,11 +68,11 @@ class LLMEngine:
     def add_prepared(self, req: PreparedRequest) -> None:
         engine_ids = self.processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
                                                 req.params, req.arrival_time)
-        for index, engine_id in enumerate(engine_ids):
-            params = req.params if req.params.n == 1 else req.params.child(index)
-            self.core.add_request(Request(engine_id, req.prompt_token_ids, params,
-                                          eos_token_ids=self.tokenizer.eos_token_ids,
-                                          arrival_time=req.arrival_time, cache_salt=req.cache_salt))
+        self.core.add_requests([
+            Request(engine_id, req.prompt_token_ids, req.params if req.params.n == 1 else req.params.child(index),
+                    eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=req.arrival_time,
+                    cache_salt=req.cache_salt)
+            for index, engine_id in enumerate(engine_ids)])
 
     def add_request(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams) -> None:
         self.add_prepared(self.prepare(request_id, prompt, params))
@@ -95,7 +95,7 @@ class LLMEngine:
 
     def record_idle_stats(self) -> None:
         """Report the scheduler's state when no step will run (after aborts emptied it)."""
-        stats = self.core.scheduler.make_stats()
+        stats = self.core.make_stats()
         for logger in self.stat_loggers:
             logger.record(stats, IterationStats())
 

@@ -1,23 +1,15 @@
-"""Engine statistics handed to stat loggers (Prometheus, progress displays) after every step.
+"""Engine statistics handed to stat loggers (Prometheus, progress displays) after every step:
+the scheduler's SchedulerStats (core/stats.py) and IterationStats, what happened in one step
+(tokens, and latencies of requests that produced their first or last token).
 
-SchedulerStats is a snapshot of the scheduler and KV cache; IterationStats holds what happened
-in one step (tokens, and latencies of requests that produced their first or last token). This
-file owns only the containers and the StatLogger interface; it must never import HTTP or torch.
+This file owns IterationStats and the StatLogger interface; it must never import HTTP or torch.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0         # fraction of KV blocks in use, 0..1
-    prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache this step
-    prefix_cache_hits: int = 0          # of which found cached
-    num_preemptions: int = 0            # preemptions this step
+from rackserve.core.stats import SchedulerStats
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Executor: decides WHERE a step runs. The engine core hands it one SchedulerOutput per step and
 gets one ModelRunnerOutput back; nothing above can tell a real executor from a simulated one.
+Under data parallelism a step is one SchedulerOutput per DP rank, run in lockstep (`execute_dp`).
 
 This file owns the interface and the registry by name. It must never schedule (that is core/)
 or know how a model computes (that is model/).
@@ -27,6 +28,17 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises if a worker failed; never returns a partial output."""
+
+    @property
+    def dp_num_kv_blocks(self) -> list[int]:
+        """The KV blocks of each DP rank (each has its own cache and scheduler); one DP rank here."""
+        return [self.num_kv_blocks]
+
+    def execute_dp(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        """Run one step of every DP rank together: DP rank i runs scheduler_outputs[i] (an empty
+        one when it has nothing to do) and returns outputs[i]. Raises as `execute` does."""
+        assert len(scheduler_outputs) == len(self.dp_num_kv_blocks), "one SchedulerOutput per DP rank"
+        return [self.execute(scheduler_outputs[0])]
 
     def shutdown(self) -> None:
         """Stop workers and free memory; safe to call twice."""

@@ -8,7 +8,9 @@ runs (the scheduler does) and never keeps a request the scheduler told it to dro
 Under tensor parallelism there is one runner per rank, each with its slice of the model and the
 KV cache of its heads, all fed the same SchedulerOutput. All of them sample, and sample the same
 tokens (the logits are all-gathered and the generators seeded alike), so no rank needs another's
-tokens for its next step.
+tokens for its next step. Under data parallelism each DP rank's runners get their own DP rank's
+SchedulerOutput; with experts shared across DP ranks an idle DP rank still runs a forward pass of
+zero tokens, so that its peers' collectives match.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput,
 from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend, model_kv_cache_spec
 from rackserve.model.loader import load_model
+from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.sampler import Sampler, SamplingRow
 from rackserve.sampling_params import SamplingParams
 
@@ -70,16 +73,22 @@ class ModelRunner:
         # What each layer caches on this rank: its share of the KV heads, or MLA's whole latent.
         self.kv_cache_spec = spec = model_kv_cache_spec(self.model)
         self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla)
-        # Every rank must index the same blocks: the one with the least room sets the count.
-        self.num_kv_blocks = self.groups.world.min(self._num_kv_blocks())
+        # A DP rank's ranks must index the same blocks: the one with the least room sets the count
+        # (other DP ranks have caches, and counts, of their own).
+        self.num_kv_blocks = self.groups.tp.min(self._num_kv_blocks())
         # [layers, K and V (or the one latent), blocks, block_size, kv heads, head size]. Zeroed, not
         # empty: padded decode rows read stale slots under a mask, and 0 * NaN from uninitialised
         # memory would still poison the output.
         shape = (info.num_layers, spec.num_tensors, *spec.cache_shape(self.num_kv_blocks, self.block_size))
         self.kv_cache = torch.zeros(shape, dtype=info.dtype, device=self.device)
         bind_kv_cache(self.model, [tuple(layer_cache) for layer_cache in self.kv_cache])
-        self.sampler = Sampler(config.model.seed, self.device)
+        # The ranks of a DP rank sample alike; DP ranks must not draw one stream for their requests.
+        self.sampler = Sampler(config.model.seed + self.groups.dp.rank_in_group, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        # A forward that meets ranks of other DP ranks in collectives (experts sharded across DP
+        # ranks) must run even with no tokens, or the peers' collectives would never match.
+        self.forward_when_idle = self.groups.ep.world_size > self.groups.tp.world_size
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -95,12 +104,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not self.forward_when_idle:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self._prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        expert_counts = take_expert_token_counts(self.moe_layers)
         if not inputs.sampling_states:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], expert_token_counts=expert_counts)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         for state in inputs.sampling_states:
             if state.generator is not None:
@@ -112,8 +122,8 @@ class ModelRunner:
         sampled = self.sampler(logits, rows)
         for state, token in zip(inputs.sampling_states, sampled.token_ids):
             state.output_token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in inputs.sampling_states],
-                                 [[t] for t in sampled.token_ids], sampled.logprobs)
+        return ModelRunnerOutput([s.req_id for s in inputs.sampling_states], [[t] for t in sampled.token_ids],
+                                 sampled.logprobs, expert_token_counts=expert_counts)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

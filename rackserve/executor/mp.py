@@ -2,11 +2,12 @@
 chosen whenever an instance has more than one rank. It runs on node 0 beside the engine; the
 other nodes' ranks are hosted by `rackserve worker` and reached by rank 0's broadcast.
 
-Each step goes to rank 0 over its pipe, and rank 0's ModelRunnerOutput comes back. While it waits
-the executor watches every local worker's pipe and process sentinel, so a worker that dies or
-reports an error makes `execute` raise WorkerError at once (after stopping the other workers);
-a worker on another node that dies fails rank 0's next collective, which rank 0 reports. This file
-must never schedule and never compute.
+Each step (one SchedulerOutput per DP rank) goes to rank 0 over its pipe, and every DP rank's
+ModelRunnerOutput comes back from rank 0, in DP rank order. While it waits the executor watches
+every local worker's pipe and process sentinel, so a worker that dies or reports an error makes
+`execute_dp` raise WorkerError at once (after stopping the other workers); a worker on another
+node that dies fails rank 0's next collective, which rank 0 reports. This file must never
+schedule and never compute.
 """
 from __future__ import annotations
 
@@ -34,16 +35,30 @@ class MultiprocExecutor(Executor):
         self.workers = start_workers(config)
         self._error: WorkerError | None = None
         ready = wait_ready(self.workers)
-        assert len({r.num_kv_blocks for r in ready}) == 1, "ranks disagree on the number of KV blocks"
+        rank0 = ready[0]
+        assert len(rank0.dp_num_kv_blocks) == parallel.data_parallel_size
+        self._dp_num_kv_blocks = list(rank0.dp_num_kv_blocks)
+        # A DP rank's ranks index the same blocks; ranks of other DP ranks may hold other counts.
+        assert all(r.num_kv_blocks == self._dp_num_kv_blocks[parallel.dp_rank_of(r.rank)] for r in ready)
         self.num_kv_blocks, self.model_max_len, self.vocab_size = \
-            ready[0].num_kv_blocks, ready[0].model_max_len, ready[0].vocab_size
+            min(self._dp_num_kv_blocks), rank0.model_max_len, rank0.vocab_size
+
+    @property
+    def dp_num_kv_blocks(self) -> list[int]:
+        return self._dp_num_kv_blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """DP rank 0 runs `scheduler_output`; any other DP ranks run an empty step beside it."""
+        idle = [SchedulerOutput([], [], {}, 0) for _ in self._dp_num_kv_blocks[1:]]
+        return self.execute_dp([scheduler_output, *idle])[0]
+
+    def execute_dp(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         if self._error is not None:
             raise self._error
+        assert len(scheduler_outputs) == len(self._dp_num_kv_blocks), "one SchedulerOutput per DP rank"
         rank0 = self.workers[0]
         try:
-            rank0.conn.send(scheduler_output)
+            rank0.conn.send(scheduler_outputs)
         except OSError:   # rank 0 is gone; its sentinel says how
             self._fail(None)
         while True:
@@ -53,7 +68,7 @@ class MultiprocExecutor(Executor):
                     message = rank0.conn.recv()
                 except (EOFError, OSError):
                     message = None
-                if isinstance(message, ModelRunnerOutput):
+                if isinstance(message, list):
                     return message
                 self._fail(message if isinstance(message, WorkerFailure) else None)
             if fired:

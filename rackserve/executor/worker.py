@@ -1,8 +1,11 @@
 """Worker processes: one per rank. A worker joins the instance's process group, builds its
-ModelRunner (its slice of the model, the KV cache of its heads), reports WorkerReady, then steps in
-lockstep with the others: rank 0 takes each SchedulerOutput from the engine over its pipe and
-broadcasts it to every rank over the control group (one path for local and remote ranks alike),
-every rank executes it, and rank 0 sends its ModelRunnerOutput back. None ends the loop.
+ModelRunner (its slice of the model, the KV cache of its DP rank's requests and its heads), reports
+WorkerReady, then steps in lockstep with the others: rank 0 takes each step (one SchedulerOutput
+per DP rank) from the engine over its pipe and broadcasts it to every rank over the control group
+(one path for local and remote ranks alike), every rank executes its DP rank's SchedulerOutput,
+the first rank of each DP rank times its forward (collectives excluded: the DP rank's busy time),
+the DP ranks' first ranks gather their ModelRunnerOutputs on rank 0, and rank 0 sends them back.
+None ends the loop.
 
 This file owns the worker's life (start, step loop, failure report, exit), the helpers that
 start, watch and stop a node's workers, and the life of a node other than 0 (run_worker_node,
@@ -38,9 +41,10 @@ FAILURE_GRACE_S = 2.0
 @dataclass(frozen=True)
 class WorkerReady:
     rank: int
-    num_kv_blocks: int                  # equal on every rank
+    num_kv_blocks: int                  # equal on every rank of a DP rank
     model_max_len: int
     vocab_size: int
+    dp_num_kv_blocks: tuple[int, ...] = ()   # rank 0 only: num_kv_blocks of every DP rank
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def worker_main(config: EngineConfig, rank: int, conn: Connection) -> None:
     # stops its workers in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from rackserve.distributed.parallel_state import init_distributed
+        from rackserve.distributed.parallel_state import CollectiveTimer, init_distributed
         from rackserve.executor.model_runner import ModelRunner
         if config.model.device == "cuda":
             torch.cuda.set_device(rank - config.parallel.local_ranks.start)
@@ -80,21 +84,29 @@ def worker_main(config: EngineConfig, rank: int, conn: Connection) -> None:
             # The node's ranks share its cores. More threads than cores would leave OpenMP
             # spin-waiting on the cores a peer needs to reach the next collective.
             torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.local_world_size))
-        groups = init_distributed(config.parallel, rank)
+        timer = CollectiveTimer()
+        groups = init_distributed(config.parallel, rank, timer)
         mismatch = config_mismatch(config, groups.world.broadcast_object(config))
         # Every rank learns of a mismatch anywhere, so that node 0's error says what went wrong.
         if groups.world.min(0 if mismatch else 1) == 0:
             raise ValueError(mismatch or "a node was started with other engine flags than node 0 (its log says which)")
         runner = ModelRunner(config, groups=groups)
         info = runner.model_info
-        conn.send(WorkerReady(rank, runner.num_kv_blocks, info.max_position_embeddings, info.vocab_size))
+        leader = groups.tp.is_first_rank     # reports for its DP rank
+        dp_blocks = groups.dp.gather_object(runner.num_kv_blocks) if leader else None
+        conn.send(WorkerReady(rank, runner.num_kv_blocks, info.max_position_embeddings, info.vocab_size,
+                              tuple(dp_blocks) if rank == 0 else ()))
         while True:
-            scheduler_output = groups.world.broadcast_object(conn.recv() if rank == 0 else None)
-            if scheduler_output is None:
+            step = groups.world.broadcast_object(conn.recv() if rank == 0 else None)
+            if step is None:
                 break
-            output = runner.execute_model(scheduler_output)
-            if rank == 0:
-                conn.send(output)
+            start, waited = time.perf_counter(), timer.seconds
+            output = runner.execute_model(step[groups.dp.rank_in_group])
+            if leader:
+                busy = time.perf_counter() - start - (timer.seconds - waited)
+                outputs = groups.dp.gather_object(dataclasses.replace(output, busy_seconds=busy))
+                if rank == 0:
+                    conn.send(outputs)
     except BaseException:   # noqa: BLE001 - the parent must hear of every failure
         report = WorkerFailure(rank, traceback.format_exc())
         print(f"rackserve worker rank {rank} failed:\n{report.traceback}", file=sys.stderr, flush=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from rackserve.engine.stats import IterationStats, SchedulerStats, StatLogger
+from rackserve.core.stats import SchedulerStats
+from rackserve.engine.stats import IterationStats, StatLogger
 
 PREFIX = "rackserve:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -56,6 +57,26 @@ class PrometheusStatLogger(StatLogger):
         # Labelled per finish reason at record time: "stop", "length", "abort".
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
+        # Data parallelism: each DP rank's scheduler, labelled dp_rank at record time; the gauges
+        # above sum them. Busy + idle of a rank add up to the time of the steps' slowest rank.
+        per_rank = labels + ["dp_rank"]
+        self.dp_running = Gauge(PREFIX + "dp_rank_num_requests_running", "Requests running on a DP rank.",
+                                per_rank, registry=self.registry)
+        self.dp_waiting = Gauge(PREFIX + "dp_rank_num_requests_waiting", "Requests waiting on a DP rank.",
+                                per_rank, registry=self.registry)
+        self.dp_kv_usage = Gauge(PREFIX + "dp_rank_kv_cache_usage_perc", "Fraction of a DP rank's KV blocks in "
+                                 "use, 0 to 1.", per_rank, registry=self.registry)
+        self.dp_busy = Counter(PREFIX + "dp_rank_busy_seconds", "Time a DP rank computed in steps, collectives "
+                               "excluded.", per_rank, registry=self.registry)
+        self.dp_idle = Counter(PREFIX + "dp_rank_idle_seconds", "Time a DP rank waited in steps for the "
+                               "slowest DP rank.", per_rank, registry=self.registry)
+        self.dp_idle_share = gauge("dp_idle_share", "Share of the DP ranks' step time spent waiting for the "
+                                   "slowest rank, since start, 0 to 1.")
+        self._dp_busy_total = self._dp_idle_total = 0.0
+        # MoE models: labelled per global expert (summed over the layers, to keep the series few).
+        self.moe_expert_tokens = Counter(PREFIX + "moe_expert_tokens", "Tokens routed to an expert, one per "
+                                         "token and chosen expert, summed over the MoE layers.",
+                                         labels + ["expert"], registry=self.registry)
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
@@ -76,6 +97,21 @@ class PrometheusStatLogger(StatLogger):
         for finished in iteration_stats.finished_requests:
             self.e2e_request_latency.observe(finished.e2e_latency)
             self.request_success.labels(self.model_name, finished.finish_reason).inc()
+        for dp_rank, rank in enumerate(scheduler_stats.dp_ranks):
+            label = (self.model_name, str(dp_rank))
+            self.dp_running.labels(*label).set(rank.num_running_reqs)
+            self.dp_waiting.labels(*label).set(rank.num_waiting_reqs)
+            self.dp_kv_usage.labels(*label).set(rank.kv_cache_usage)
+            if rank.busy_seconds is not None:
+                self.dp_busy.labels(*label).inc(max(rank.busy_seconds, 0.0))
+                self.dp_idle.labels(*label).inc(max(rank.idle_seconds, 0.0))
+                self._dp_busy_total += max(rank.busy_seconds, 0.0)
+                self._dp_idle_total += max(rank.idle_seconds, 0.0)
+        if self._dp_busy_total + self._dp_idle_total > 0:
+            self.dp_idle_share.set(self._dp_idle_total / (self._dp_busy_total + self._dp_idle_total))
+        for expert, n in enumerate(scheduler_stats.expert_token_counts or ()):
+            if n > 0:
+                self.moe_expert_tokens.labels(self.model_name, str(expert)).inc(n)
 
     def exposition(self) -> bytes:
         """The text /metrics serves."""
