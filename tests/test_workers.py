@@ -21,6 +21,7 @@ import pytest
 from rackserve import LLM, SamplingParams
 from rackserve.core.outputs import CachedRequestData, SchedulerOutput
 from rackserve.distributed.parallel_state import free_port
+from rackserve.engine.llm_engine import EngineDeadError
 from rackserve.executor.worker import WorkerError
 from tests.test_engine_parity import prompts_for, run
 
@@ -107,6 +108,8 @@ def test_killed_worker_fails_generate_promptly(tiny_llama_dir):
     assert not any(w.process.is_alive() for w in workers), "the surviving worker must be stopped too"
     with pytest.raises(WorkerError):   # the executor stays dead, and says so at once
         llm.engine.core.executor.execute(SchedulerOutput([], [], {}, 0))
+    with pytest.raises(EngineDeadError, match="rank 1"):   # so does the engine, naming the cause
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, LONG)
     llm.shutdown()
 
 

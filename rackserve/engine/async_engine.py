@@ -15,14 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rackserve.config import EngineArgs, EngineConfig
-from rackserve.engine.llm_engine import LLMEngine, PreparedRequest, PromptType
+from rackserve.engine.llm_engine import EngineDeadError, LLMEngine, PreparedRequest, PromptType
 from rackserve.engine.stats import StatLogger
 from rackserve.outputs import RequestOutput
 from rackserve.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class AsyncEngine:

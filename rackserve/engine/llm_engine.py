@@ -23,6 +23,10 @@ from rackserve.sampling_params import SamplingParams
 PromptType = Union[str, dict]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine failed (a step raised, e.g. a worker died) or was shut down: it takes no more work."""
+
+
 @dataclass
 class PreparedRequest:
     """A validated request, ready to enter the engine."""
@@ -43,6 +47,7 @@ class LLMEngine:
         self.config = self.core.config
         self.processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers)
+        self.failure: BaseException | None = None   # why the engine is dead, once a step raised
 
     def prepare(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams,
                 cache_salt: str | None = None) -> PreparedRequest:
@@ -66,6 +71,7 @@ class LLMEngine:
         return PreparedRequest(request_id, text, token_ids, params, time.monotonic(), cache_salt)
 
     def add_prepared(self, req: PreparedRequest) -> None:
+        self.check_alive()
         engine_ids = self.processor.add_request(req.request_id, req.prompt, req.prompt_token_ids,
                                                 req.params, req.arrival_time)
         self.core.add_requests([
@@ -83,9 +89,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineDeadError(f"the engine failed earlier and takes no more requests: {self.failure}")
+
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns a delta for every request that produced tokens."""
-        outputs, scheduler_stats = self.core.step()
+        """One engine step; returns a delta for every request that produced tokens. If the step
+        raises, the engine is dead: its requests' state is gone with the workers."""
+        self.check_alive()
+        try:
+            outputs, scheduler_stats = self.core.step()
+        except BaseException as e:
+            self.failure = e
+            raise
         processed = self.processor.process(outputs)
         if processed.stops:
             self.core.stop_requests(processed.stops)

@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rackserve import __version__
 from rackserve.config import EngineArgs
-from rackserve.engine.async_engine import AsyncEngine, EngineDeadError
+from rackserve.engine.async_engine import AsyncEngine
+from rackserve.engine.llm_engine import EngineDeadError
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rackserve.serve.serving_chat import OpenAIServingChat

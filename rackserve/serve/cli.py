@@ -76,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def _user_errors(command: str) -> Iterator[None]:
     """Bad option values (SamplingParams' and the engine config's ValueError, a model path that
-    does not exist) end the command with their message and exit code 2, not a traceback."""
+    does not exist) end the command with their message and exit code 2, not a traceback; workers
+    that fail (a configuration they refuse, a rank that died) with theirs and exit code 1."""
     try:
         yield
     except (ValueError, FileNotFoundError) as e:
         print(f"rackserve {command}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RuntimeError as e:
+        from rackserve.executor.worker import WorkerError   # torch is loaded by now
+        if not isinstance(e, WorkerError):
+            raise
+        print(f"rackserve {command}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 # ---- serve --------------------------------------------------------------------------------
