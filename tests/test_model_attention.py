@@ -11,7 +11,7 @@ import torch
 
 from rackserve.model.attention import CommonAttentionMetadata, get_attn_backend
 
-H, KVH, HD, BS, NUM_BLOCKS = 6, 2, 8, 4, 64
+H, KVH, HD, BS, NUM_BLOCKS = 6, 2, 8, 4, 128
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int) -> torch.Tensor:
@@ -75,3 +75,10 @@ def test_mixed_batch_matches_dense():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attn_backend("no-such-backend")
+
+
+def test_long_chunks_attend_in_query_blocks_on_cpu(monkeypatch):
+    # With a tiny score budget, chunks of more than 64 queries go in several blocks.
+    import rackserve.model.torch_attention as torch_attention
+    monkeypatch.setattr(torch_attention, "_SCORES_BYTES", 1)
+    run_batch([(0, 150), (40, 100), (30, 1)], seed=2)

@@ -3,8 +3,9 @@
 Single-token queries (decodes) of the whole step are batched into one SDPA call: each row's blocks
 are gathered through its block table, padded to the longest row and masked; the query heads of a
 KV group ride along as the query-length axis, so GQA needs no repeat of K/V. Multi-token queries
-(prefill chunks, with or without cached context) run one SDPA call per request with a causal mask
-offset by the cached context. This file must never allocate the KV cache or decide what runs.
+(prefill chunks, with or without cached context) run one call per request with a causal mask
+offset by the cached context: SDPA on CUDA, two batched matmuls on CPU, where that is faster.
+This file must never allocate the KV cache or decide what runs.
 """
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ import torch.nn.functional as F
 from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata, register_attn_backend
 
 
+# The CPU path's score tensor per query block: big enough for efficient matmuls, small enough to
+# stay in cache through mask, softmax and the second matmul.
+_SCORES_BYTES = 16 * 2**20
+
+
 @dataclass
 class PrefillChunk:
     start: int                        # the chunk's tokens are batch rows [start, end)
     end: int
     kv_len: int                       # cached context + the chunk
     block_ids: torch.Tensor | None    # blocks holding the kv_len tokens; None: no cached context
-    mask: torch.Tensor | None         # [end - start, kv_len] bool causal mask offset by the context
+    mask: torch.Tensor | None         # [end - start, kv_len] bool causal mask offset by the context;
+                                      # None for a fresh prompt on CUDA (SDPA's is_causal)
 
 
 @dataclass
@@ -54,12 +61,12 @@ class TorchAttentionBackend(AttentionBackend):
                 decode_rows.append(start)
                 decode_lens.append(kv_len)
                 decode_tables.append(table[:-(-kv_len // bs)])
-            elif ctx == 0:
-                prefills.append(PrefillChunk(start, start + n, kv_len, None, None))
             else:
-                block_ids = torch.tensor(table[:-(-kv_len // bs)], dtype=torch.long, device=device)
-                mask = (torch.arange(kv_len, device=device)[None, :]
-                        <= torch.arange(ctx, kv_len, device=device)[:, None])
+                block_ids = (None if ctx == 0 else
+                             torch.tensor(table[:-(-kv_len // bs)], dtype=torch.long, device=device))
+                # SDPA's is_causal serves a fresh prompt on CUDA; the CPU path takes a mask.
+                mask = (None if ctx == 0 and device.type != "cpu" else
+                        torch.arange(kv_len, device=device)[None, :] <= torch.arange(ctx, kv_len, device=device)[:, None])
                 prefills.append(PrefillChunk(start, start + n, kv_len, block_ids, mask))
             start += n
 
@@ -102,12 +109,34 @@ class TorchAttentionBackend(AttentionBackend):
         qi = q[p.start:p.end].transpose(0, 1)                          # [H, n, hd]
         if p.block_ids is None:
             ki, vi = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             ki = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)  # [KVH, kv_len, hd]
             vi = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)
+        if qi.device.type == "cpu":
+            o = self._attend_cpu(qi, ki, vi, p.mask)
+        elif p.mask is None:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
         return o.transpose(0, 1).reshape(p.end - p.start, -1)
+
+    def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Masked attention of many queries as two batched matmuls: on CPU (torch 2.13) 1.2-2x
+        faster than SDPA with a mask, and 2x faster than SDPA's is_causal. A KV group's query
+        heads share one matmul, so GQA needs no repeat of K/V. Queries go in blocks whose scores
+        stay within _SCORES_BYTES: a 512-token chunk over 2K of context runs 2x faster so."""
+        heads, n, hd = q.shape
+        kvh, kv_len = k.shape[0], k.shape[1]
+        rows = max(64, _SCORES_BYTES // (heads * kv_len * q.element_size()))
+        out = []
+        for start in range(0, n, rows):
+            qb, mb = q[:, start:start + rows], mask[start:start + rows]
+            nb = qb.shape[1]
+            scores = (qb.reshape(kvh, heads // kvh * nb, hd) @ k.transpose(1, 2)).mul_(self.scale)
+            scores = scores.view(kvh, heads // kvh, nb, kv_len).masked_fill_(~mb, float("-inf"))
+            probs = scores.softmax(-1).view(kvh, heads // kvh * nb, kv_len)
+            out.append((probs @ v).view(heads, nb, hd))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 m: TorchAttentionMetadata) -> torch.Tensor:
