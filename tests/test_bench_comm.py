@@ -2,11 +2,14 @@
 Llama's TP=2 decode step makes exactly the collective calls tensor parallelism implies (2 per
 layer, the embedding's, the logits' all-gather and the step's broadcast), every rank spending part
 of its step inside them; a tiny Qwen3-MoE's expert-parallel step adds the three all-to-alls of
-each MoE layer.
+each MoE layer; a DEP step (DP=2 with EP) makes only those all-to-alls and the broadcast, and
+`--profile` splits each rank's step by layer kind with its communication apart.
 """
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from rackserve.serve.cli import main
 
@@ -37,3 +40,22 @@ def test_bench_comm_counts_an_expert_parallel_steps_all_to_alls(tiny_qwen3_moe_d
     # 2 sparse: counts, tokens and results all-to-all, then the all-reduce over TP.
     per_layer = [1 + 4, 1 + 1, 1 + 4]
     assert all(r["collective_calls"] == sum(per_layer) + 3 for r in steps)
+
+
+def test_bench_comm_runs_dep_steps_and_profiles_each_rank(tiny_qwen3_moe_dir, tmp_path):
+    out = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--iters", "3", "--ops", "all_to_all", "--sizes", "256", "--model",
+                 tiny_qwen3_moe_dir, "--enable-expert-parallel", "--data-parallel-size", "2", "--profile",
+                 "--steps", "2", "--batch-sizes", "1,3", "--output", str(out)]) == 0
+    steps = [r for r in json.loads(out.read_text())["rows"] if "step_ms" in r]
+    assert sorted((r["batch_size"], r["rank"], r["dp_rank"]) for r in steps) == [(1, 0, 0), (1, 1, 1), (3, 0, 0),
+                                                                                (3, 1, 1)]
+    # TP=1 in each DP rank: no all-reduce, no all-gather; 2 sparse layers x 3 all-to-alls, the broadcast.
+    assert all(r["collective_calls"] == 2 * 3 + 1 for r in steps)
+    for r in steps:
+        profile = r["profile"]
+        assert sum(profile.values()) == pytest.approx(1.0)
+        assert profile["communication"] > 0 and profile["mlp/moe"] > 0 and profile["other"] >= 0
+        # One request over 2 DP ranks: DP rank 1 runs its layers on no token and samples nothing.
+        idle = r["batch_size"] == 1 and r["dp_rank"] == 1
+        assert (profile["lm_head+sampling"] == 0) == idle

@@ -1,7 +1,8 @@
 """`rackserve bench forward` on a tiny random Llama: the timed steps do exactly the work asked
 (tokens timed = tokens scheduled in the SchedulerOutputs executed, the context already in the KV
 cache as the attention sees it, every repetition alike), A/B sides alternate, the profile splits
-a step by layer kind, the cost model counts by hand, and the command writes its JSON.
+a step by layer kind, the cost model counts by hand, a DP executor runs each DP rank's share of
+the batch, and the command writes its JSON.
 
 The executors are real; RecordingExecutor forwards every step to one and writes it down.
 """
@@ -12,7 +13,7 @@ import json
 import pytest
 
 from rackserve.bench.forward import parse_compare
-from rackserve.bench.forward_steps import KINDS, ForwardPoint, Side, model_cost, time_point
+from rackserve.bench.forward_steps import KINDS, ForwardPoint, RepeatedStep, Side, dp_shares, model_cost, time_point
 from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from rackserve.executor.base import Executor, create_executor
@@ -152,7 +153,9 @@ def test_parse_compare_builds_the_b_side():
     assert parse_compare("num_gpu_blocks_override=None", base, "uniproc")[0].num_gpu_blocks_override is None
     assert parse_compare("block-size=32", base, "uniproc")[0].block_size == 32
     assert parse_compare("executor=other", base, "uniproc") == (base, "other")
-    for bad in ("dtype", "colour=red", "enable_prefix_caching=maybe"):
+    dep = parse_compare("data_parallel_size=2,enable-expert-parallel=true", base, "uniproc")[0]
+    assert (dep.data_parallel_size, dep.enable_expert_parallel) == (2, True)
+    for bad in ("dtype", "colour=red", "enable_prefix_caching=maybe", "dtype=bfloat16,"):
         with pytest.raises(ValueError):
             parse_compare(bad, base, "uniproc")
 
@@ -161,17 +164,22 @@ def test_command_runs_an_ab_and_writes_json(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "forward.json"
     rc = cli.main(["bench", "forward", "--model", tiny_llama_dir, "--device", "cpu", "--batch-sizes", "1,2",
                    "--context-lens", "0,20", "--seconds", "0.05", "--warmup-steps", "1",
-                   "--compare", "dtype=bfloat16", "--output", str(out)])
+                   "--compare", "dtype=bfloat16", "--compare", "dtype=bfloat16,block-size=32", "--output", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert printed.count("B/A: tok/s") == 4 and "memory read" in printed
+    assert printed.count("B/A: tok/s") == printed.count("C/A: tok/s") == 4 and "memory read" in printed
     result = json.loads(out.read_text())
-    assert result["settings"]["A"]["dtype"] == "float32" and result["settings"]["B"]["dtype"] == "bfloat16"
+    settings = result["settings"]
+    assert [settings[side]["dtype"] for side in "ABC"] == ["float32", "bfloat16", "bfloat16"]
+    assert [settings[side]["block_size"] for side in "ABC"] == [16, 16, 32]
     assert [(p["batch_size"], p["context_len"]) for p in result["points"]] == [(1, 0), (1, 20), (2, 0), (2, 20)]
     for p in result["points"]:
-        for side in "AB":
+        for side in "ABC":
             assert p[side]["tokens_timed"] == p[side]["steps"] * p["batch_size"]
-        assert p["b_over_a"]["tok_s"] == pytest.approx(p["B"]["tok_s"] / p["A"]["tok_s"])
+        # Three sides alternate step by step, so each ran as often as the others.
+        assert p["A"]["steps"] == p["B"]["steps"] == p["C"]["steps"]
+        for side in "BC":
+            assert p[f"{side.lower()}_over_a"]["tok_s"] == pytest.approx(p[side]["tok_s"] / p["A"]["tok_s"])
 
 
 def test_command_refuses_a_batch_the_kv_cache_cannot_hold(tiny_llama_dir, capsys):
@@ -191,3 +199,52 @@ def test_steps_run_through_the_multiprocess_executor(tiny_llama_dir):
         executor.shutdown()
     assert timing.tokens_timed == timing.tokens_sampled == 2 * len(timing.step_s)
     assert timing.profile is None     # the model lives in the worker processes
+
+
+def test_dp_shards_are_the_batch_split_with_its_own_prompts():
+    point = ForwardPoint("prefill", 5, 8, 4)
+    assert [list(r) for r in dp_shares(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in dp_shares(1, 2)] == [[0], []]
+    whole = RepeatedStep(point, 4, 512, seed=7).next()
+    shards = [RepeatedStep(point, 4, 512, seed=7, shard=(r, 2)).next() for r in range(2)]
+    assert [len(so.scheduled_new_reqs) for so in shards] == [3, 2]
+    assert sum(so.total_num_scheduled_tokens for so in shards) == whole.total_num_scheduled_tokens == 20
+    assert [r.prompt_token_ids for so in shards for r in so.scheduled_new_reqs] == \
+        [r.prompt_token_ids for r in whole.scheduled_new_reqs]
+    # Each DP rank has a cache of its own: its requests' blocks start at 0 there (3 blocks each).
+    assert [r.block_ids for r in shards[1].scheduled_new_reqs] == [[0, 1, 2], [3, 4, 5]]
+    idle = RepeatedStep(ForwardPoint("decode", 1, 8, 1), 4, 512, seed=7, shard=(1, 2))
+    assert idle.next().is_empty and idle.retire().is_empty
+
+
+class DPRecordingExecutor(RecordingExecutor):
+    """Writes down every step of every DP rank: (SchedulerOutputs, ModelRunnerOutputs)."""
+
+    @property
+    def dp_num_kv_blocks(self) -> list[int]:
+        return self.inner.dp_num_kv_blocks
+
+    def execute_dp(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        outs = self.inner.execute_dp(scheduler_outputs)
+        self.log.append((scheduler_outputs, outs))
+        return outs
+
+
+def test_dep_steps_split_the_batch_over_the_dp_ranks(tiny_qwen3_moe_dir):
+    config = tiny_config(tiny_qwen3_moe_dir, data_parallel_size=2, enable_expert_parallel=True)
+    executor = create_executor(config)
+    try:
+        # 3 requests: 2 on DP rank 0, 1 on DP rank 1; 1 request: DP rank 1 runs its MoE layers on nothing.
+        for batch, shares in ((3, [2, 1]), (1, [1, 0])):
+            log: list = []
+            (timing,) = time_point([Side(DPRecordingExecutor(executor, log), config)],
+                                   ForwardPoint("decode", batch, 8, 1), 0.0, 1, seed=0)
+            assert timing.tokens_timed == timing.tokens_sampled == batch * len(timing.step_s)
+            ran = [(sos, outs) for sos, outs in log if any(not so.is_empty for so in sos)]
+            assert len(ran) == 1 + len(timing.step_s)
+            for sos, outs in ran:
+                assert [so.total_num_scheduled_tokens for so in sos] == shares
+                # Each DP rank sampled for its own requests: the split reached the workers.
+                assert [out.req_ids for out in outs] == [list(so.num_scheduled_tokens) for so in sos]
+    finally:
+        executor.shutdown()

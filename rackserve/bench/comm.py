@@ -2,8 +2,9 @@
 between worker processes of this machine, through the very calls the model layers make
 (GroupCoordinator.all_reduce, all_gather, all_to_all, broadcast_object), for small and large
 messages; with `--model`, also real tensor-parallel (or, with --enable-expert-parallel, expert-
-parallel) steps of that model, and how much of each step every rank spends inside collectives
-(waiting for its peers included).
+parallel; with --data-parallel-size, DEP) steps of that model, and how much of each step every
+rank spends inside collectives (waiting for its peers included); with `--profile`, every rank's
+step split by layer kind, its communication apart.
 
 For the collectives rank 0's view is reported: per message size the median, mean and p90 of one
 call, and the bandwidth (bytes / median). all_gather's bytes are each rank's share; all_to_all's
@@ -23,6 +24,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from rackserve.bench.forward_steps import PROFILE_STEPS
 from rackserve.serve.cli import register_subcommand
 
 OPS = ("all_reduce", "all_gather", "all_to_all", "broadcast_object")
@@ -58,6 +60,11 @@ def _add_comm_args(parser: argparse.ArgumentParser) -> None:
     steps.add_argument("--steps", type=int, default=30, help=f"timed steps per batch size (after {WARMUP_STEPS} more)")
     steps.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE models: shard the experts over the ranks instead of splitting each over them")
+    steps.add_argument("--data-parallel-size", type=int, default=1,
+                       help="DP ranks (TP = world size / DP); each runs its share of every batch")
+    steps.add_argument("--profile", action="store_true",
+                       help=f"{PROFILE_STEPS} more steps per batch size with each rank's time split by layer "
+                            "kind, collectives apart")
     parser.add_argument("--output", help="write the results as JSON here")
 
 
@@ -72,7 +79,8 @@ def _rank_main(rank: int, spec: dict, port: int, conn: Connection) -> None:
         torch.cuda.set_device(rank)
     torch.set_num_threads(spec["threads"])
     timer = CollectiveTimer()
-    parallel = ParallelConfig(spec["world_size"], spec["backend"], master_port=port,
+    parallel = ParallelConfig(spec["world_size"] // spec["data_parallel_size"], spec["backend"], master_port=port,
+                              data_parallel_size=spec["data_parallel_size"],
                               enable_expert_parallel=spec["enable_expert_parallel"])
     groups = init_distributed(parallel, rank, timer)
     rows = [_time_collective(groups.world, op, size, spec["iters"], device)
@@ -119,38 +127,57 @@ def _time_collective(group, op: str, size: int, iters: int, device: str) -> dict
 
 
 def _time_model_steps(spec: dict, groups, timer, rank: int) -> list[dict]:
-    """Steps as the workers run them: rank 0 broadcasts the SchedulerOutput, every rank executes
-    it. Per batch size: median step time and median time inside collectives, on this rank."""
+    """Steps as the workers run them: rank 0 broadcasts one SchedulerOutput per DP rank, every
+    rank executes its DP rank's (its share of the batch, which is the total over DP ranks). Per
+    batch size: median step time and median time inside collectives, on this rank; with
+    `profile`, the shares of PROFILE_STEPS more steps by layer kind."""
     import dataclasses
+    import functools
 
-    from rackserve.bench.forward_steps import ForwardPoint, RepeatedStep
+    from rackserve.bench.forward_steps import ForwardPoint, LayerKindProfiler, RepeatedStep
     from rackserve.config import EngineArgs
     from rackserve.executor.model_runner import ModelRunner
     new = 1 if spec["mode"] == "decode" else spec["new_tokens"]
     points = [ForwardPoint(spec["mode"], b, spec["context_len"], new) for b in spec["batch_sizes"]]
-    config = EngineArgs(model=spec["model"], tensor_parallel_size=spec["world_size"],
+    dp = spec["data_parallel_size"]
+    config = EngineArgs(model=spec["model"], tensor_parallel_size=spec["world_size"] // dp, data_parallel_size=dp,
                         distributed_backend=spec["backend"],
                         enable_expert_parallel=spec["enable_expert_parallel"]).create_engine_config()
     blocks = max(p.num_blocks(config.cache.block_size) for p in points)
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_gpu_blocks_override=blocks))
     runner = ModelRunner(config, groups=groups)
-    world = groups.world
+    world, dp_rank = groups.world, config.parallel.dp_rank_of(rank)
+
+    def execute(steps: list[RepeatedStep], next_step) -> None:
+        """One step: rank 0 takes each DP rank's next (or retiring) SchedulerOutput and sends them all."""
+        step = world.broadcast_object([next_step(rs) for rs in steps] if rank == 0 else None)
+        runner.execute_model(step[dp_rank])
     rows = []
     for point in points:
-        step = RepeatedStep(point, config.cache.block_size, runner.model_info.vocab_size, seed=0)
+        steps = [RepeatedStep(point, config.cache.block_size, runner.model_info.vocab_size, 0, (r, dp))
+                 for r in range(dp)]
         wall, inside = [], []
         for i in range(WARMUP_STEPS + spec["steps"]):
             timer.seconds, timer.calls = 0.0, 0
             start = time.perf_counter()
-            runner.execute_model(world.broadcast_object(step.next() if rank == 0 else None))
+            execute(steps, RepeatedStep.next)
             if i >= WARMUP_STEPS:
                 wall.append(time.perf_counter() - start)
                 inside.append(timer.seconds)
         calls = timer.calls
-        runner.execute_model(world.broadcast_object(step.retire() if rank == 0 else None))
-        rows.append({"op": f"{point.mode} step", "rank": rank, "batch_size": point.batch_size,
-                     "context_len": point.context_len, "new_tokens": new, "collective_calls": calls,
-                     "step_ms": statistics.median(wall) * 1e3, "in_collectives_ms": statistics.median(inside) * 1e3})
+        row = {"op": f"{point.mode} step", "rank": rank, "dp_rank": dp_rank, "batch_size": point.batch_size,
+               "context_len": point.context_len, "new_tokens": new, "collective_calls": calls,
+               "step_ms": statistics.median(wall) * 1e3, "in_collectives_ms": statistics.median(inside) * 1e3}
+        if spec["profile"]:
+            profiler = LayerKindProfiler(runner.model, config.model.device, timer)
+            try:
+                for _ in range(PROFILE_STEPS):
+                    profiler.step(functools.partial(execute, steps), RepeatedStep.next)
+            finally:
+                profiler.remove()
+            row["profile"] = profiler.shares()
+        execute(steps, RepeatedStep.retire)
+        rows.append(row)
     return rows
 
 
@@ -170,6 +197,8 @@ def _print(rows: list[dict], spec: dict) -> None:
             print(f"{r['op']:<13} {r['rank']:>4} {r['batch_size']:>5} {r['context_len']:>6} {r['new_tokens']:>5} "
                   f"{r['step_ms']:>9.1f} {r['in_collectives_ms']:>11.1f} {r['in_collectives_ms'] / r['step_ms']:>6.0%} "
                   f"{r['collective_calls']:>6}")
+            if "profile" in r:
+                print("      profile: " + ", ".join(f"{k} {v:.0%}" for k, v in r["profile"].items()))
 
 
 @register_subcommand("bench comm", "latency of all_reduce, all_gather, all_to_all and object broadcast between "
@@ -185,9 +214,12 @@ def run_comm(args: argparse.Namespace) -> int:
                 "iters": args.iters, "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size),
                 "model": args.model, "mode": args.mode, "context_len": args.context_len, "new_tokens": args.new_tokens,
                 "steps": args.steps, "batch_sizes": [int(b) for b in args.batch_sizes.split(",") if b.strip()],
-                "enable_expert_parallel": args.enable_expert_parallel}
+                "enable_expert_parallel": args.enable_expert_parallel, "data_parallel_size": args.data_parallel_size,
+                "profile": args.profile}
         if args.world_size < 2 or args.iters < 1 or args.steps < 1 or not set(ops) <= set(OPS):
             raise ValueError(f"--world-size >= 2, --iters and --steps >= 1, --ops among {OPS}")
+        if args.data_parallel_size < 1 or args.world_size % args.data_parallel_size:
+            raise ValueError("--data-parallel-size must divide --world-size")
     except ValueError as e:
         print(f"rackserve bench comm: {e}", file=sys.stderr)
         return 2
@@ -215,8 +247,11 @@ def run_comm(args: argparse.Namespace) -> int:
                 p.kill()
     _print(rows, spec)
     if args.output:
+        from rackserve.bench.limits import processor_name
         result = {"command": "rackserve " + " ".join(sys.argv[1:]),
-                  "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), **spec, "rows": rows}
+                  "machine": platform.processor() or platform.machine(),
+                  "processor": processor_name("cuda" if args.backend == "nccl" else "cpu"), "cpu_count": os.cpu_count(),
+                  "load_average": os.getloadavg(), **spec, "rows": rows}
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.output}")

@@ -1,8 +1,9 @@
 """`rackserve bench forward`: times exact prefill or decode batches through the real execute path
-(`Executor.execute`, any executor) with the context already in the KV cache, and prints median
-step time, spread, tokens/s and the share of the machine's limits (measured on the spot) that
-the step reaches; `--compare KEY=VALUE` times a second setting in the same process, alternating
-with the first, and prints the ratio B/A; `--profile` splits the step by layer kind.
+(`Executor.execute_dp`, any executor, each DP rank its share) with the context already in the
+KV cache, and prints median step time, spread, tokens/s and the share of the machine's limits
+(measured on the spot) that the step reaches; `--compare KEY=VALUE[,KEY=VALUE...]` times
+another setting in the same process, alternating with the first, and prints the ratio B/A
+(repeated: sides C, D, ... alternate too); `--profile` splits the step by layer kind.
 
 This file owns the command: flags, the A/B settings, the table and the JSON. The steps, their
 cost and the timing loop live in forward_steps.py. It must never import torch at module level
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 @dataclass
 class Setting:
     """One side of an A/B: an executor, its config, and what its steps cost at least."""
-    label: str                  # "A", or "B" for --compare
+    label: str                  # "A", then "B", "C", ... for each --compare
     executor_name: str
     config: EngineConfig
     executor: Executor
@@ -64,26 +65,31 @@ def build_setting(label: str, engine_args: EngineArgs, executor_name: str | None
 
 def parse_compare(compare: str, engine_args: EngineArgs,
                   executor_name: str | None) -> tuple[EngineArgs, str | None]:
-    """`KEY=VALUE` with KEY an engine option (as its flag or field name) or `executor`: the B side."""
-    key, sep, value = compare.partition("=")
-    key = key.strip().lstrip("-").replace("-", "_")
-    if not sep or not key:
-        raise ValueError(f"--compare takes KEY=VALUE (e.g. dtype=bfloat16), got {compare!r}")
-    if key == "executor":
-        return engine_args, value
+    """`KEY=VALUE[,KEY=VALUE...]` with each KEY an engine option (as its flag or field name) or
+    `executor`: one compared side, A's settings with these changed (a DEP side changes two:
+    data_parallel_size=2,enable_expert_parallel=true)."""
     types = {f.name: str(f.type) for f in fields(EngineArgs)}
-    if key not in types:
-        raise ValueError(f"--compare: unknown option {key!r}; one of {sorted(types) + ['executor']}")
-    kind = types[key]
-    if value.lower() == "none" and "None" in kind:
-        parsed: object = None
-    elif "bool" in kind:
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"--compare: {key} takes true or false, got {value!r}")
-        parsed = value.lower() in ("true", "1")
-    else:
-        parsed = int(value) if "int" in kind else float(value) if "float" in kind else value
-    return dataclasses.replace(engine_args, **{key: parsed}), executor_name
+    for item in compare.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"--compare takes KEY=VALUE[,KEY=VALUE...] (e.g. dtype=bfloat16), got {compare!r}")
+        if key == "executor":
+            executor_name = value
+            continue
+        if key not in types:
+            raise ValueError(f"--compare: unknown option {key!r}; one of {sorted(types) + ['executor']}")
+        kind = types[key]
+        if value.lower() == "none" and "None" in kind:
+            parsed: object = None
+        elif "bool" in kind:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--compare: {key} takes true or false, got {value!r}")
+            parsed = value.lower() in ("true", "1")
+        else:
+            parsed = int(value) if "int" in kind else float(value) if "float" in kind else value
+        engine_args = dataclasses.replace(engine_args, **{key: parsed})
+    return engine_args, executor_name
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -107,8 +113,9 @@ def _add_forward_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request per step (prefill mode)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per point and setting")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per point and setting")
-    parser.add_argument("--compare", metavar="KEY=VALUE",
-                        help="A/B: also time this engine option (or executor=NAME) changed, alternating with A")
+    parser.add_argument("--compare", metavar="KEY=VALUE[,KEY=VALUE]", action="append",
+                        help="A/B: also time these engine options (or executor=NAME) changed, alternating with A; "
+                             "repeat for sides C, D, ...")
     parser.add_argument("--profile", action="store_true",
                         help="share of step time per layer kind (in-process executor only)")
     parser.add_argument("--output", help="write the results as JSON here")
@@ -142,9 +149,11 @@ def _plan(args: argparse.Namespace) -> tuple[list[ForwardPoint], list[tuple[str,
     if any(p.batch_size < 1 or p.context_len < 0 for p in points):
         raise ValueError("batch sizes must be >= 1 and context lengths >= 0")
     base = EngineArgs.from_cli_args(args)
+    compares = args.compare or []
+    if len(compares) > 25:
+        raise ValueError("--compare: at most 25 sides besides A")
     sides = [("A", base, args.executor)]
-    if args.compare:
-        sides.append(("B", *parse_compare(args.compare, base, args.executor)))
+    sides += [(chr(ord("B") + i), *parse_compare(c, base, args.executor)) for i, c in enumerate(compares)]
     for _, engine_args, _ in sides:
         engine_args.create_engine_config()     # bad option values fail here, before a model loads
     return points, sides
@@ -184,10 +193,10 @@ def _time_points(settings: list[Setting], points: list[ForwardPoint], limits: di
                 print("      profile: " + (", ".join(f"{k} {v:.0%}" for k, v in t.profile.items()) if t.profile
                                          else f"not available (executor {s.executor_name!r} runs the model outside "
                                               "this process)"))
-        if len(timings) == 2:
-            entry["b_over_a"] = {"tok_s": timings[1].tok_s / timings[0].tok_s,
-                                 "median_step": timings[1].median_s / timings[0].median_s}
-            print(f"   B/A: tok/s {entry['b_over_a']['tok_s']:.2f}x, step time {entry['b_over_a']['median_step']:.2f}x")
+        for s, t in zip(settings[1:], timings[1:]):
+            ratio = entry[f"{s.label.lower()}_over_a"] = {"tok_s": t.tok_s / timings[0].tok_s,
+                                                          "median_step": t.median_s / timings[0].median_s}
+            print(f"   {s.label}/A: tok/s {ratio['tok_s']:.2f}x, step time {ratio['median_step']:.2f}x")
         results.append(entry)
     return results
 
@@ -206,7 +215,7 @@ def run_forward(args: argparse.Namespace) -> int:
             print(f"rackserve bench forward: {e}", file=sys.stderr)
             return 2
         print(f"{args.mode}: {points[0].new_tokens} new token(s) per request per step, {args.seconds:g} s per point"
-              + (f"; A/B alternating, B = {args.compare}" if args.compare else ""))
+              + "".join(f"; {s.label} = {c}" for s, c in zip(settings[1:], args.compare or [])))
         # Other work on the machine shows in the spread; the load says whether there was any.
         load = [os.getloadavg()[0]]
         results = _time_points(settings, points, limits, args)

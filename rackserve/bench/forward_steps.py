@@ -4,10 +4,12 @@ A/B (time_point), and the per-layer-kind profiler of an in-process model.
 
 A step is a SchedulerOutput built here, not by a scheduler: its requests already hold
 `context_len` computed tokens, their block tables cover context + new tokens, and the KV content
-is whatever the cache holds (zeros), since attention costs the same for any values. This file
-must never reach into a runner's state (a step is repeated through the step contract alone; only
-the profiler hooks the in-process model, and removes its hooks), and never imports torch at
-module level (the `rackserve` command imports it before parsing).
+is whatever the cache holds (zeros), since attention costs the same for any values. Under data
+parallelism the point's batch is the total, split over the DP ranks, each running its share
+through `execute_dp` as the engine's DP ranks do. This file must never reach into a runner's
+state (a step is repeated through the step contract alone; only the profiler hooks the
+in-process model, and removes its hooks), and never imports torch at module level (the
+`rackserve` command imports it before parsing).
 """
 from __future__ import annotations
 
@@ -15,16 +17,20 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from rackserve.config import EngineConfig, ModelConfig
 from rackserve.core.outputs import NewRequestData, SchedulerOutput
 from rackserve.executor.base import Executor
 from rackserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from rackserve.distributed.parallel_state import CollectiveTimer
+
 MIN_STEPS = 3           # timed steps per setting and point, however long a step takes
 PROFILE_STEPS = 3       # extra steps with hooks, after (never among) the timed ones
 KINDS = ("embedding", "attention", "mlp/moe", "norm", "lm_head+sampling", "other")
+COMMUNICATION = "communication"     # a profile's extra kind when a CollectiveTimer is given
 
 
 @dataclass(frozen=True)
@@ -42,30 +48,43 @@ class ForwardPoint:
         return self.batch_size * -(-self.kv_len // block_size)
 
 
+def dp_shares(batch_size: int, dp_size: int) -> list[range]:
+    """The requests of each DP rank: contiguous and as even as they go (9 over 2: 5 and 4)."""
+    sizes = [batch_size // dp_size + (r < batch_size % dp_size) for r in range(dp_size)]
+    starts = [sum(sizes[:r]) for r in range(dp_size)]
+    return [range(start, start + n) for start, n in zip(starts, sizes)]
+
+
 class RepeatedStep:
     """One exact batch, sent as often as needed. Two copies of the step under two sets of request
     ids alternate, each retiring the other's requests through `finished_req_ids`, so every step
     starts from the same worker state and does the same work (a request re-sent as "cached"
     would have grown by its sampled token). Each request's prompt is context + new tokens and it
-    samples one token, greedily, at its end: the step a decode (or a prefill ending a prompt) is."""
+    samples one token, greedily, at its end: the step a decode (or a prefill ending a prompt) is.
 
-    def __init__(self, point: ForwardPoint, block_size: int, vocab_size: int, seed: int):
+    `shard=(dp_rank, dp_size)`: only that DP rank's share of the batch (`dp_shares`), with the
+    very prompts the whole batch has, in block ids of its own cache; an empty step when the
+    share is empty (that DP rank idles, as the engine's do)."""
+
+    def __init__(self, point: ForwardPoint, block_size: int, vocab_size: int, seed: int,
+                 shard: tuple[int, int] = (0, 1)):
         rng = random.Random(seed)
         blocks_per_req = point.num_blocks(block_size) // point.batch_size
         # Low ids are where tokenizers keep their special tokens.
         prompts = [[rng.randrange(min(256, vocab_size - 1), vocab_size) for _ in range(point.kv_len)]
                    for _ in range(point.batch_size)]
+        mine = dp_shares(point.batch_size, shard[1])[shard[0]]
         params = SamplingParams(temperature=0.0, max_tokens=1)
         tag = f"fwd-{point.mode}-b{point.batch_size}-c{point.context_len}-n{point.new_tokens}"
         self.copies: list[SchedulerOutput] = []
         for copy in range(2):
-            ids = [f"{tag}-{copy}-{i}" for i in range(point.batch_size)]
-            other = {f"{tag}-{1 - copy}-{i}" for i in range(point.batch_size)}
-            reqs = [NewRequestData(rid, prompt, [], params,
-                                   list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), point.context_len)
-                    for i, (rid, prompt) in enumerate(zip(ids, prompts))]
+            ids = [f"{tag}-{copy}-{i}" for i in mine]
+            other = {f"{tag}-{1 - copy}-{i}" for i in mine}
+            reqs = [NewRequestData(rid, prompts[i], [], params,
+                                   list(range(j * blocks_per_req, (j + 1) * blocks_per_req)), point.context_len)
+                    for j, (i, rid) in enumerate(zip(mine, ids))]
             self.copies.append(SchedulerOutput(reqs, [], {rid: point.new_tokens for rid in ids},
-                                               point.batch_size * point.new_tokens, finished_req_ids=other))
+                                               len(mine) * point.new_tokens, finished_req_ids=other))
         self.sent = 0
 
     def next(self) -> SchedulerOutput:
@@ -174,14 +193,21 @@ class LayerKindProfiler:
     """Forward hooks on an in-process model that add up the wall time of each layer kind. The
     lm_head's time runs from its start to the end of the step, so it includes sampling; "other"
     is the rest (input preparation, attention metadata, rotary, residual adds). On CUDA every
-    hook synchronizes, which slows the profiled steps: they are never the timed ones."""
+    hook synchronizes, which slows the profiled steps: they are never the timed ones.
 
-    def __init__(self, model, device: str):
+    With a `timer` (a rank's CollectiveTimer) the time inside collectives, waits for peers
+    included, leaves the kind it happened in (attention's o_proj all-reduce, the MoE layer's
+    all-to-alls, ...) for a kind of its own, "communication", as does the step's broadcast."""
+
+    def __init__(self, model, device: str, timer: CollectiveTimer | None = None):
         import torch
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        self.seconds = dict.fromkeys(KINDS, 0.0)
+        self.timer = timer
+        self.seconds = dict.fromkeys(KINDS + (COMMUNICATION,) * (timer is not None), 0.0)
         self._start = 0.0
+        self._waited = 0.0      # the timer's seconds when the current kind started
         self.lm_head_start: float | None = None
+        self._lm_head_waited = 0.0
         self.handles = []
         claimed: list[str] = []
         for name, module in model.named_modules():
@@ -193,30 +219,37 @@ class LayerKindProfiler:
                 self.handles += [module.register_forward_pre_hook(self._pre(kind)),
                                  module.register_forward_hook(self._post(kind))]
 
+    def _waited_now(self) -> float:
+        return self.timer.seconds if self.timer is not None else 0.0
+
     def _pre(self, kind: str):
         def hook(module, args):
             self.sync()
             # Kinds never nest (see __init__), so one start time at a time is enough.
-            self._start = time.perf_counter()
+            self._start, self._waited = time.perf_counter(), self._waited_now()
             if kind == "lm_head+sampling":
-                self.lm_head_start = self._start
+                self.lm_head_start, self._lm_head_waited = self._start, self._waited
         return hook
 
     def _post(self, kind: str):
         def hook(module, args, output):
             if kind != "lm_head+sampling":
                 self.sync()
-                self.seconds[kind] += time.perf_counter() - self._start
+                self.seconds[kind] += time.perf_counter() - self._start - (self._waited_now() - self._waited)
         return hook
 
-    def step(self, execute, scheduler_output: SchedulerOutput) -> None:
+    def step(self, execute, scheduler_output) -> None:
+        """Run `execute(scheduler_output)` once, hooked. A step without logits (an idle DP rank's
+        forward of zero tokens) has no lm_head time."""
         before = sum(self.seconds.values())
         self.lm_head_start = None
-        t0 = time.perf_counter()
+        waited, t0 = self._waited_now(), time.perf_counter()
         execute(scheduler_output)
         t1 = time.perf_counter()
-        assert self.lm_head_start is not None, "the step computed no logits"
-        self.seconds["lm_head+sampling"] += t1 - self.lm_head_start
+        if self.lm_head_start is not None:
+            self.seconds["lm_head+sampling"] += t1 - self.lm_head_start - (self._waited_now() - self._lm_head_waited)
+        if self.timer is not None:
+            self.seconds[COMMUNICATION] += self._waited_now() - waited
         self.seconds["other"] += (t1 - t0) - (sum(self.seconds.values()) - before)
 
     def shares(self) -> dict[str, float]:
@@ -268,32 +301,35 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
     """Warm-up, then the settings' steps alternate (A, B, A, B, ...) until each has run
     `seconds` and at least MIN_STEPS times, so drift hits all of them alike. With `profile`,
     PROFILE_STEPS more steps per setting run with hooks (None where the runner is elsewhere)."""
-    steps = [RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed) for s in sides]
+    # One RepeatedStep per DP rank of each side: the point's batch is the total over them.
+    steps = [[RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed, (r, dp))
+              for r in range(dp)] for s in sides for dp in [len(s.executor.dp_num_kv_blocks)]]
     timings = [Timing(warmup_steps) for _ in sides]
     for _ in range(warmup_steps):
-        for s, rs in zip(sides, steps):
-            s.executor.execute(rs.next())
+        for s, ranks in zip(sides, steps):
+            s.executor.execute_dp([rs.next() for rs in ranks])
     while len(timings[0].step_s) < MIN_STEPS or min(sum(t.step_s) for t in timings) < seconds:
-        for s, rs, t in zip(sides, steps, timings):
-            so = rs.next()
+        for s, ranks, t in zip(sides, steps, timings):
+            sos = [rs.next() for rs in ranks]
             t0 = time.perf_counter()
-            out = s.executor.execute(so)
+            outs = s.executor.execute_dp(sos)
             t.step_s.append(time.perf_counter() - t0)
-            assert out.req_ids == list(so.num_scheduled_tokens), "every request ends its prompt and samples once"
-            t.tokens_timed += so.total_num_scheduled_tokens
-            t.tokens_sampled += sum(len(tokens) for tokens in out.sampled_token_ids)
+            for so, out in zip(sos, outs, strict=True):
+                assert out.req_ids == list(so.num_scheduled_tokens), "every request ends its prompt and samples once"
+                t.tokens_timed += so.total_num_scheduled_tokens
+                t.tokens_sampled += sum(len(tokens) for tokens in out.sampled_token_ids)
     if profile:
-        for s, rs, t in zip(sides, steps, timings):
+        for s, ranks, t in zip(sides, steps, timings):
             model = _in_process_model(s.executor)
             if model is None:
                 continue
             profiler = LayerKindProfiler(model, s.config.model.device)
             try:
                 for _ in range(PROFILE_STEPS):
-                    profiler.step(s.executor.execute, rs.next())
+                    profiler.step(s.executor.execute, ranks[0].next())
             finally:
                 profiler.remove()
             t.profile = profiler.shares()
-    for s, rs in zip(sides, steps):
-        s.executor.execute(rs.retire())
+    for s, ranks in zip(sides, steps):
+        s.executor.execute_dp([rs.retire() for rs in ranks])
     return timings
