@@ -28,6 +28,8 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 CONTROL_TIMEOUT = timedelta(days=365)
 # Node 0 waits this long for the other machines' workers to join.
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+# Below this size a CPU all-reduce is an all-gather and a local sum (see GroupCoordinator.all_reduce).
+SMALL_ALL_REDUCE_BYTES = 256 * 2**10
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); older versions lack the new one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -76,7 +78,15 @@ class GroupCoordinator:
         """Sum over the group, in place; returns x."""
         if self.world_size > 1:
             start = time.perf_counter()
-            dist.all_reduce(x, group=self.device_group)
+            if x.device.type == "cpu" and x.numel() * x.element_size() <= SMALL_ALL_REDUCE_BYTES:
+                # gloo's all_reduce has a multi-millisecond tail on small CPU tensors (at 2 KB:
+                # mean 0.7-1.5 ms against 0.2-0.4 ms for all_gather): gather and add up instead,
+                # in rank order on every rank, so all ranks hold the same bits.
+                parts = x.new_empty(self.world_size * x.numel())
+                _all_gather_single(parts, x.reshape(-1), group=self.device_group)
+                torch.sum(parts.view(self.world_size, *x.shape), dim=0, out=x)
+            else:
+                dist.all_reduce(x, group=self.device_group)
             self._timed(start)
         return x
 
