@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from rackserve.model.attention import CommonAttentionMetadata, get_attn_backend
+from rackserve.model.attention import CommonAttentionMetadata, Workspace, get_attn_backend
 
 H, KVH, HD, BS, NUM_BLOCKS = 6, 2, 8, 4, 128
 
@@ -23,7 +23,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], H * HD)
 
 
-def run_batch(requests: list[tuple[int, int]], seed: int = 0) -> None:
+def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspace | None = None) -> None:
     """requests: (cached context, new tokens) per request, in batch order."""
     g = torch.Generator().manual_seed(seed)
     backend = get_attn_backend("torch")(H, KVH, HD, HD ** -0.5)
@@ -43,7 +43,7 @@ def run_batch(requests: list[tuple[int, int]], seed: int = 0) -> None:
     k = torch.cat([hk[ctx:] for (hk, _), (ctx, _) in zip(histories, requests)])
     v = torch.cat([hv[ctx:] for (_, hv), (ctx, _) in zip(histories, requests)])
     common = CommonAttentionMetadata([n for _, n in requests], [c for c, _ in requests], tables,
-                                     torch.tensor(slots), BS)
+                                     torch.tensor(slots), BS, workspace)
     out = backend.forward(q, k, v, (k_cache, v_cache), backend.build_metadata(common, torch.device("cpu")))
 
     start = 0
@@ -82,3 +82,15 @@ def test_long_chunks_attend_in_query_blocks_on_cpu(monkeypatch):
     import rackserve.model.torch_attention as torch_attention
     monkeypatch.setattr(torch_attention, "_SCORES_BYTES", 1)
     run_batch([(0, 150), (40, 100), (30, 1)], seed=2)
+
+
+def test_a_workspace_serves_batches_of_any_size_in_turn():
+    # The runner's one workspace outlives steps: the gathered context of a large batch must not
+    # leak into a smaller one after it, nor a small buffer cut a larger one short.
+    workspace = Workspace()
+    run_batch([(3, 1), (9, 1)], seed=3, workspace=workspace)
+    run_batch([(40, 1), (25, 1), (31, 6)], seed=4, workspace=workspace)
+    grown = workspace.take("k", (1,), torch.float32, torch.device("cpu")).data_ptr()
+    run_batch([(5, 1), (0, 4), (11, 1)], seed=5, workspace=workspace)
+    assert workspace.take("k", (1,), torch.float32, torch.device("cpu")).data_ptr() == grown, \
+        "a smaller batch reuses the buffer"

@@ -21,7 +21,8 @@ import torch
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from rackserve.distributed.parallel_state import ParallelGroups
-from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend, model_kv_cache_spec
+from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_kv_cache, get_attn_backend,
+                                      model_kv_cache_spec)
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.sampler import Sampler, SamplingRow
@@ -73,6 +74,7 @@ class ModelRunner:
         # What each layer caches on this rank: its share of the KV heads, or MLA's whole latent.
         self.kv_cache_spec = spec = model_kv_cache_spec(self.model)
         self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla)
+        self.workspace = Workspace()
         # A DP rank's ranks must index the same blocks: the one with the least room sets the count
         # (other DP ranks have caches, and counts, of their own).
         self.num_kv_blocks = self.groups.tp.min(self._num_kv_blocks())
@@ -169,7 +171,7 @@ class ModelRunner:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
-        common = CommonAttentionMetadata(query_lens, context_lens, block_tables, tensor(slots), bs)
+        common = CommonAttentionMetadata(query_lens, context_lens, block_tables, tensor(slots), bs, self.workspace)
         return StepInputs(tensor(input_ids), tensor(positions), self.attn_backend.build_metadata(common, self.device),
                           tensor(logits_indices), sampling_states)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata, register_attn_backend
+from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata, Workspace, register_attn_backend
 
 
 # The CPU path's score tensor per query block: big enough for efficient matmuls, small enough to
@@ -41,6 +41,7 @@ class TorchAttentionMetadata:
     decode_block_tables: torch.Tensor | None   # [num_decodes * max_blocks], rows padded with block 0
     decode_kv_len: int                         # the longest decode row's context
     decode_mask: torch.Tensor | None           # [num_decodes, 1, 1, decode_kv_len]; None when all equal
+    workspace: Workspace                       # where layers gather the paged context
 
 
 @register_attn_backend("torch")
@@ -85,7 +86,8 @@ class TorchAttentionBackend(AttentionBackend):
             if min(decode_lens) != kv_len:
                 lens = torch.tensor(decode_lens, device=device)
                 mask = (torch.arange(kv_len, device=device)[None, :] < lens[:, None]).view(d, 1, 1, kv_len)
-        return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask)
+        return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask,
+                                      common.workspace or Workspace())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata) -> torch.Tensor:
@@ -99,19 +101,19 @@ class TorchAttentionBackend(AttentionBackend):
             return self._decode(q, k_cache, v_cache, m)   # pure decode step: no scatter needed
         out = q.new_empty(num_tokens, self.num_heads * hd)
         for p in m.prefills:
-            out[p.start:p.end] = self._prefill(q, k, v, k_cache, v_cache, p)
+            out[p.start:p.end] = self._prefill(q, k, v, k_cache, v_cache, p, m.workspace)
         if m.decode_rows is not None:
             out[m.decode_rows] = self._decode(q[m.decode_rows], k_cache, v_cache, m)
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
+                 v_cache: torch.Tensor, p: PrefillChunk, workspace: Workspace) -> torch.Tensor:
         qi = q[p.start:p.end].transpose(0, 1)                          # [H, n, hd]
         if p.block_ids is None:
             ki, vi = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
         else:
-            ki = k_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)  # [KVH, kv_len, hd]
-            vi = v_cache.index_select(0, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)
+            ki = workspace.gather_blocks("k", k_cache, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)  # [KVH, kv_len, hd]
+            vi = workspace.gather_blocks("v", v_cache, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)
         if qi.device.type == "cpu":
             o = self._attend_cpu(qi, ki, vi, p.mask)
         elif p.mask is None:
@@ -145,7 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
         qd = q.reshape(d, kvh, self.num_heads // kvh, self.head_dim)
         # index_select on the flat table is about twice as fast as advanced indexing by a 2-D table.
         shape = (d, -1, kvh, self.head_dim)
-        kd = k_cache.index_select(0, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
-        vd = v_cache.index_select(0, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
+        kd = m.workspace.gather_blocks("k", k_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
+        vd = m.workspace.gather_blocks("v", v_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, scale=self.scale)
         return o.reshape(d, -1)

@@ -39,7 +39,7 @@ class TorchMLABackend(MLABackend):
         out = q.new_empty(num_tokens, self.num_heads * self.v_head_dim)
         for p in m.prefills:
             latent = entries[p.start:p.end] if p.block_ids is None else \
-                cache.index_select(0, p.block_ids).view(-1, entries.shape[1])[:p.kv_len]
+                m.workspace.gather_blocks("latent", cache, p.block_ids).view(-1, entries.shape[1])[:p.kv_len]
             out[p.start:p.end] = self._prefill(q[p.start:p.end], latent, p)
         if m.decode_rows is not None:
             out[m.decode_rows] = self._decode(q[m.decode_rows], cache, m)
@@ -64,7 +64,7 @@ class TorchMLABackend(MLABackend):
         w = self.kv_b_proj.weight.view(h, nope + self.v_head_dim, rank)
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)     # [d, H, rank]
         q_abs = torch.cat([q_latent, q[..., nope:]], dim=-1)                                 # [d, H, rank + rope]
-        latent = cache.index_select(0, m.decode_block_tables).view(d, -1, cache.shape[-1])[:, :m.decode_kv_len]
+        latent = m.workspace.gather_blocks("latent", cache, m.decode_block_tables).view(d, -1, cache.shape[-1])[:, :m.decode_kv_len]
         # Two matmuls rather than SDPA: with values narrower than keys SDPA takes its slow math
         # path on CPU (3x slower here).
         scores = torch.bmm(q_abs, latent.transpose(1, 2)) * self.scale                      # [d, H, N]
