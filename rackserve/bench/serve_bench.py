@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from rackserve.bench.replay import Replay
 
 RATE_WINDOW = 10.0                      # seconds of completions behind the live rates
+KEEPALIVE_SECONDS = 1.0                 # client-side idle connection lifetime (see bench_serve)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +106,11 @@ async def bench_serve(args: argparse.Namespace, levels: list[int], console: Cons
     from rackserve.bench.token_text import (PromptRenderer, default_vocabulary, load_server_tokenizer,
                                             vocabulary_from_tokenizer)
     from rackserve.bench.workload import WorkloadOptions, make_workload
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+    # Idle connections are dropped after KEEPALIVE_SECONDS, well before servers close theirs
+    # (uvicorn: 5 s, as long as the default think-time cap): a POST sent on a connection the
+    # server is closing at that moment fails with "Can not write request body".
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS)
+    async with aiohttp.ClientSession(connector=connector) as http:
         models = await served_models(http, args.base_url)
         if not models and not args.model:
             raise ValueError(f"{args.base_url} lists no models; name one with --model")
