@@ -7,13 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections import defaultdict
 
-import httpx
 import pytest
 
 import rackserve.bench.serve_bench  # noqa: F401  (registers `bench serve`)
@@ -21,6 +16,7 @@ from rackserve.bench.agentx import AgentXConfig, AgentXWorkload
 from rackserve.bench.trace import read_traces
 from rackserve.bench.workload import SubagentGroup
 from rackserve.serve.cli import main
+from tests.server_utils import start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -35,32 +31,12 @@ def server(tmp_path_factory):
     model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=512,
                              max_position_embeddings=MAX_MODEL_LEN)
     save_test_tokenizer(str(root / "tokenizer"), 512)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rackserve.serve.cli", "serve", "--model", model, "--tokenizer",
-         str(root / "tokenizer"), "--served-model-name", "tiny", "--device", "cpu", "--max-model-len",
-         str(MAX_MODEL_LEN), "--port", str(port), "--uvicorn-log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not come up:\n{log.read()}")
-        time.sleep(0.2)
+    proc, url = start_server(
+        ["--model", model, "--tokenizer", str(root / "tokenizer"), "--served-model-name", "tiny",
+         "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN)], root / "server.log")
     yield url, str(root / "tokenizer"), root
     proc.terminate()
     proc.wait(timeout=30)
-    log.close()
 
 
 def bench(server, workload: str, *flags: str) -> dict:

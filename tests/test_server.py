@@ -5,9 +5,6 @@ where the client cannot send what we need: malformed bodies, a client that hangs
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from typing import NamedTuple
 
@@ -15,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from tests.server_utils import start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -22,12 +20,6 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 4096
 VOCAB = 512
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server(NamedTuple):
@@ -42,34 +34,16 @@ def server(tmp_path_factory):
     model_dir = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB,
                                  max_position_embeddings=MAX_MODEL_LEN)
     save_test_tokenizer(str(root / "tokenizer"), VOCAB)
-    port = _free_port()
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rackserve.serve.cli", "serve", "--model", model_dir,
-         "--tokenizer", str(root / "tokenizer"), "--served-model-name", MODEL, "--device", "cpu",
-         "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "320",
-         "--port", str(port), "--uvicorn-log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not come up:\n{log.read()}")
-        time.sleep(0.2)
+    proc, url = start_server(
+        ["--model", model_dir, "--tokenizer", str(root / "tokenizer"), "--served-model-name", MODEL,
+         "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "320"],
+        root / "server.log")
     yield Server(url, str(root / "tokenizer"))
     proc.terminate()  # SIGTERM: a clean shutdown, which must end the process promptly
     try:
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")

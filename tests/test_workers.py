@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -23,6 +22,7 @@ from rackserve.core.outputs import CachedRequestData, SchedulerOutput
 from rackserve.distributed.parallel_state import free_port
 from rackserve.engine.llm_engine import EngineDeadError
 from rackserve.executor.worker import WorkerError
+from tests.server_utils import start_server
 from tests.test_engine_parity import prompts_for, run
 
 ENGINE = dict(dtype="float32", device="cpu", max_num_batched_tokens=64, num_gpu_blocks_override=128)
@@ -139,24 +139,9 @@ def test_worker_dying_on_the_other_node_fails_generate(tiny_llama_dir, tmp_path)
 
 
 def test_server_fails_in_flight_request_and_exits_when_a_worker_dies(tiny_llama_dir, tmp_path):
-    port = free_port()
-    log = (tmp_path / "server.log").open("w+")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rackserve.serve.cli", "serve",
-         *_cli_flags(tiny_llama_dir, tensor_parallel_size=2, **ENGINE),
-         "--served-model-name=tiny", f"--port={port}", "--uvicorn-log-level=warning"],
-        stdout=log, stderr=subprocess.STDOUT)
+    server, url = start_server([*_cli_flags(tiny_llama_dir, tensor_parallel_size=2, **ENGINE),
+                                "--served-model-name=tiny"], tmp_path / "server.log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=900, temperature=0.0,
                                            stream=True, extra_body={"ignore_eos": True})
@@ -170,6 +155,4 @@ def test_server_fails_in_flight_request_and_exits_when_a_worker_dies(tiny_llama_
         assert time.monotonic() - killed < BOUND_S
     finally:
         server.kill()
-        log.seek(0)
-        print(log.read())
-        log.close()
+        print((tmp_path / "server.log").read_text())

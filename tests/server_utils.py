@@ -1,0 +1,34 @@
+"""Start `rackserve serve` as a child process on a free port and wait until it answers /health."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rackserve.distributed.parallel_state import free_port
+
+
+def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """(process, base URL) of a server started with these `serve` flags, its output in log_path;
+    the test fails with that log if the server exits or does not come up within `timeout` s."""
+    port = free_port()
+    with open(log_path, "w") as log:      # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "serve", *flags,
+                                 "--port", str(port), "--uvicorn-log-level", "warning"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not come up:\n{Path(log_path).read_text()}")
+        time.sleep(0.2)
