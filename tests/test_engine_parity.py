@@ -112,3 +112,30 @@ def test_seeded_sampling_is_unchanged_by_preemption_and_batching(tiny_llama_dir)
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.engine.core.scheduler.check_integrity()
     assert together == alone
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_deepseek_v3_dir"])   # K and V; MLA's latent
+def test_bfloat16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_tokens_in_top5(request, fixture):
+    # --kv-cache-dtype bfloat16 under float32 weights: vLLM's rule for a lower-precision run,
+    # each side's token inside the other's top-5 at the first divergence.
+    model_dir = request.getfixturevalue(fixture)
+    prompts = prompts_for(transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    runs = {}
+    for kv_dtype in ("auto", "bfloat16"):
+        with LLM(model=model_dir, dtype="float32", device="cpu", kv_cache_memory=0.01,
+                 max_num_batched_tokens=64, kv_cache_dtype=kv_dtype) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            llm.engine.core.scheduler.check_integrity()
+            runs[kv_dtype] = (llm.engine.core.scheduler.kv.num_blocks, outs)
+    (fp32_blocks, fp32), (bf16_blocks, bf16) = runs["auto"], runs["bfloat16"]
+    assert bf16_blocks // 2 == fp32_blocks         # the same GiB, at half the bytes a block
+    identical = 0
+    for a, b in zip(fp32, bf16):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        diverged = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if diverged is None:
+            identical += 1
+            continue
+        assert ta[diverged] in b.outputs[0].logprobs[diverged] and tb[diverged] in a.outputs[0].logprobs[diverged]
+    assert identical >= len(prompts) // 2

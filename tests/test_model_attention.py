@@ -23,11 +23,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], H * HD)
 
 
-def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspace | None = None) -> None:
-    """requests: (cached context, new tokens) per request, in batch order."""
+def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspace | None = None,
+              cache_dtype: torch.dtype = torch.float32) -> None:
+    """requests: (cached context, new tokens) per request, in batch order. A 16-bit cache is held
+    to bf16's precision (K/V rounded to 8 significant bits, and decode queries with them)."""
     g = torch.Generator().manual_seed(seed)
     backend = get_attn_backend("torch")(H, KVH, HD, HD ** -0.5)
-    k_cache, v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD), torch.zeros(NUM_BLOCKS, BS, KVH, HD)
+    k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD, dtype=cache_dtype)
+    v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD, dtype=cache_dtype)
     free = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(free)
     tables, histories, slots = [], [], []
@@ -49,10 +52,12 @@ def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspa
     start = 0
     for (ctx, n), (hist_k, hist_v), table in zip(requests, histories, tables):
         want = dense_attention(q[start:start + n], hist_k, hist_v, ctx)
-        torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+        tol = 1e-5 if cache_dtype == torch.float32 else 3e-2
+        assert out.dtype == q.dtype
+        torch.testing.assert_close(out[start:start + n], want, atol=tol, rtol=tol)
         for p in range(ctx, ctx + n):                                    # new K/V landed in their slots
-            assert torch.equal(k_cache[table[p // BS], p % BS], hist_k[p])
-            assert torch.equal(v_cache[table[p // BS], p % BS], hist_v[p])
+            assert torch.equal(k_cache[table[p // BS], p % BS], hist_k[p].to(cache_dtype))
+            assert torch.equal(v_cache[table[p // BS], p % BS], hist_v[p].to(cache_dtype))
         start += n
 
 
@@ -70,6 +75,11 @@ def test_single_kind_batches_match_dense(requests):
 def test_mixed_batch_matches_dense():
     # Decodes around and between prefill chunks: decode rows are scattered through the batch.
     run_batch([(5, 1), (0, 7), (17, 1), (9, 5), (0, 1), (33, 1), (2, 3)], seed=1)
+
+
+def test_a_bfloat16_cache_under_float32_queries_matches_dense():
+    # --kv-cache-dtype bfloat16 under float32 weights: the same mixed batch, to bf16's precision.
+    run_batch([(5, 1), (0, 7), (17, 1), (9, 5), (0, 1), (33, 1), (2, 3)], seed=1, cache_dtype=torch.bfloat16)
 
 
 def test_unknown_backend_is_refused():

@@ -57,7 +57,8 @@ def build_setting(label: str, engine_args: EngineArgs, executor_name: str | None
             if blocks > executor.num_kv_blocks:
                 raise ValueError(f"batch {p.batch_size} x {p.kv_len} tokens needs {blocks} KV blocks, the cache has "
                                  f"{executor.num_kv_blocks} (--num-gpu-blocks-override)")
-        return Setting(label, executor_name or type(executor).__name__, config, executor, model_cost(config.model))
+        return Setting(label, executor_name or type(executor).__name__, config, executor,
+                       model_cost(config.model, config.cache.cache_dtype))
     except BaseException:
         executor.shutdown()
         raise

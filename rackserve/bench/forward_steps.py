@@ -126,7 +126,8 @@ class ModelCost:
                 + self.attn_flops_per_pair * pairs)
 
 
-def model_cost(model_config: ModelConfig) -> ModelCost:
+def model_cost(model_config: ModelConfig, kv_cache_dtype: str | None = None) -> ModelCost:
+    """kv_cache_dtype: the cache's dtype name when it is not the model's."""
     import torch
 
     from rackserve.distributed.parallel_state import ParallelGroups
@@ -140,6 +141,7 @@ def model_cost(model_config: ModelConfig) -> ModelCost:
     else:
         config = read_hf_config(model_config.model)
     dtype = getattr(torch, model_config.dtype)
+    kv_dtype = getattr(torch, kv_cache_dtype or model_config.dtype)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)      # as the loader builds it: layers that insist on float32 keep it
     try:
@@ -170,7 +172,7 @@ def model_cost(model_config: ModelConfig) -> ModelCost:
         experts_per_token=config.get("num_experts_per_tok", 0) if moe is not None else 0,
         lm_head_params=sum(m.weight.numel() for m in heads),
         attn_flops_per_pair=2 * layers * heads_n * (qk + v),
-        kv_bytes_per_token=ModelInfo.from_config(config, dtype).kv_cache_bytes_per_token)
+        kv_bytes_per_token=ModelInfo.from_config(config, kv_dtype).kv_cache_bytes_per_token)
 
 
 def _layer_kind(leaf: str, module) -> str | None:

@@ -38,7 +38,8 @@ def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 def _cost(llm):
     """What the model must read and compute, counted on a meta-device copy (any executor)."""
     from rackserve.bench.forward_steps import model_cost
-    return model_cost(llm.engine.config.model)
+    config = llm.engine.config
+    return model_cost(config.model, config.cache.cache_dtype)
 
 
 def _workload_flops(cost, requests: list[tuple[list[int], int]]) -> int:

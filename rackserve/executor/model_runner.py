@@ -75,6 +75,7 @@ class ModelRunner:
         self.kv_cache_spec = spec = model_kv_cache_spec(self.model)
         self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla)
         self.workspace = Workspace()
+        self.kv_cache_dtype = kv_cache_dtype(config)
         # A DP rank's ranks must index the same blocks: the one with the least room sets the count
         # (other DP ranks have caches, and counts, of their own).
         self.num_kv_blocks = self.groups.tp.min(self._num_kv_blocks())
@@ -82,7 +83,7 @@ class ModelRunner:
         # empty: padded decode rows read stale slots under a mask, and 0 * NaN from uninitialised
         # memory would still poison the output.
         shape = (info.num_layers, spec.num_tensors, *spec.cache_shape(self.num_kv_blocks, self.block_size))
-        self.kv_cache = torch.zeros(shape, dtype=info.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, [tuple(layer_cache) for layer_cache in self.kv_cache])
         # The ranks of a DP rank sample alike; DP ranks must not draw one stream for their requests.
         self.sampler = Sampler(config.model.seed + self.groups.dp.rank_in_group, self.device)
@@ -97,7 +98,7 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         info = self.model_info
-        block_bytes = info.num_layers * self.kv_cache_spec.bytes_per_token(info.dtype) * self.block_size
+        block_bytes = info.num_layers * self.kv_cache_spec.bytes_per_token(self.kv_cache_dtype) * self.block_size
         num_blocks = int(cache.kv_cache_memory_gib * 2**30) // block_bytes
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory_gib} GiB holds no block of {block_bytes} bytes")
@@ -174,6 +175,11 @@ class ModelRunner:
         common = CommonAttentionMetadata(query_lens, context_lens, block_tables, tensor(slots), bs, self.workspace)
         return StepInputs(tensor(input_ids), tensor(positions), self.attn_backend.build_metadata(common, self.device),
                           tensor(logits_indices), sampling_states)
+
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's dtype: --kv-cache-dtype, or the model's."""
+    return getattr(torch, config.cache.cache_dtype or config.model.dtype)
 
 
 def _position_seed(seed: int, position: int) -> int:

@@ -94,8 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
         m = metadata
         num_tokens, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache
-        k_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, k)
-        v_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, v)
+        k_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, v.to(v_cache.dtype))
 
         if not m.prefills and isinstance(m.decode_rows, slice) and m.decode_rows == slice(0, num_tokens):
             return self._decode(q, k_cache, v_cache, m)   # pure decode step: no scatter needed
@@ -114,6 +114,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             ki = workspace.gather_blocks("k", k_cache, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)  # [KVH, kv_len, hd]
             vi = workspace.gather_blocks("v", v_cache, p.block_ids).flatten(0, 1)[:p.kv_len].transpose(0, 1)
+            # A 16-bit cache under wider queries: a chunk's many queries amortise widening its context.
+            ki, vi = ki.to(qi.dtype), vi.to(qi.dtype)
         if qi.device.type == "cpu":
             o = self._attend_cpu(qi, ki, vi, p.mask)
         elif p.mask is None:
@@ -149,5 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
         shape = (d, -1, kvh, self.head_dim)
         kd = m.workspace.gather_blocks("k", k_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
         vd = m.workspace.gather_blocks("v", v_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m.decode_mask, scale=self.scale)
-        return o.reshape(d, -1)
+        # A 16-bit cache under wider queries: one query per request, so narrow the query instead
+        # of widening the context, whose bytes are what a decode step pays for.
+        o = F.scaled_dot_product_attention(qd.to(kd.dtype), kd, vd, attn_mask=m.decode_mask, scale=self.scale)
+        return o.reshape(d, -1).to(q.dtype)

@@ -32,14 +32,14 @@ class TorchMLABackend(MLABackend):
                 kv_cache: tuple[torch.Tensor, ...], metadata: TorchAttentionMetadata) -> torch.Tensor:
         m, (cache,) = metadata, kv_cache
         entries = torch.cat([kv_c_normed, k_pe], dim=-1)
-        cache.view(-1, entries.shape[1]).index_copy_(0, m.slot_mapping, entries)
+        cache.view(-1, entries.shape[1]).index_copy_(0, m.slot_mapping, entries.to(cache.dtype))
         num_tokens = q.shape[0]
         if not m.prefills and isinstance(m.decode_rows, slice) and m.decode_rows == slice(0, num_tokens):
             return self._decode(q, cache, m)        # pure decode step: no scatter needed
         out = q.new_empty(num_tokens, self.num_heads * self.v_head_dim)
         for p in m.prefills:
             latent = entries[p.start:p.end] if p.block_ids is None else \
-                m.workspace.gather_blocks("latent", cache, p.block_ids).view(-1, entries.shape[1])[:p.kv_len]
+                m.workspace.gather_blocks("latent", cache, p.block_ids).view(-1, entries.shape[1])[:p.kv_len].to(q.dtype)
             out[p.start:p.end] = self._prefill(q[p.start:p.end], latent, p)
         if m.decode_rows is not None:
             out[m.decode_rows] = self._decode(q[m.decode_rows], cache, m)
@@ -65,6 +65,7 @@ class TorchMLABackend(MLABackend):
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)     # [d, H, rank]
         q_abs = torch.cat([q_latent, q[..., nope:]], dim=-1)                                 # [d, H, rank + rope]
         latent = m.workspace.gather_blocks("latent", cache, m.decode_block_tables).view(d, -1, cache.shape[-1])[:, :m.decode_kv_len]
+        latent = latent.to(q.dtype)     # a 16-bit cache under wider weights: widened once per layer
         # Two matmuls rather than SDPA: with values narrower than keys SDPA takes its slow math
         # path on CPU (3x slower here).
         scores = torch.bmm(q_abs, latent.transpose(1, 2)) * self.scale                      # [d, H, N]
