@@ -129,6 +129,17 @@ def test_missing_expert_tensor_is_refused(tiny_qwen3_moe_dir):
         model.load_weights(weights)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+def test_missing_stacked_shard_is_refused(request, fixture):
+    model_dir = request.getfixturevalue(fixture)
+    model, _ = load(model_dir)
+    dropped = "model.layers.1.self_attn.k_proj.weight"
+    weights = [(n, t) for n, t in safetensors_weights(model_dir) if n != dropped]
+    assert len(weights) == len(list(safetensors_weights(model_dir))) - 1
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.qkv_proj.weight.*\['k'\] missing of 3"):
+        model.load_weights(weights)
+
+
 def naive_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               experts: range) -> torch.Tensor:
     out = torch.zeros_like(x)

@@ -23,6 +23,7 @@ from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroup
 from rackserve.model.attention import Attention
 from rackserve.model.layers import (LMHead, MergedLinear, QKVLinear, RMSNorm, RowParallelLinear, VocabEmbedding,
                                     silu_and_mul)
+from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.rotary import RotaryEmbedding, apply_rope, rope_parameters
 
 
@@ -139,26 +140,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises on an unknown name or a parameter left unloaded."""
-        params = dict(self.named_parameters())
-        seen: dict[str, set[object]] = {}
+        tracker = WeightTracker(self)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
-            shard: object = None
-            part = name.split(".")[-2] if "." in name else ""
-            if part in self.stacked_params:
-                fused, shard = self.stacked_params[part]
-                name = name.replace(f".{part}.", f".{fused}.")
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if shard is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard)
-            seen.setdefault(name, set()).add(shard)
-        for name in params:
-            part = name.split(".")[-2] if "." in name else ""
-            want = {s for p, (f, s) in self.stacked_params.items() if f == part} or {None}
-            if seen.get(name) != want:
-                raise ValueError(f"parameter {name!r} was not (fully) loaded: got shards {seen.get(name)}, want {want}")
+            target, shard = stacked_target(name, self.stacked_params)
+            tracker.load(target, tensor, shard)
+        for name in tracker.params:
+            tracker.check(name, stacked_shards(name, self.stacked_params))

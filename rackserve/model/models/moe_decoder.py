@@ -19,6 +19,7 @@ from torch import nn
 
 from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
+from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.moe import FusedMoE, expert_checkpoint_name
 from rackserve.model.rotary import RotaryEmbedding, rope_parameters
 
@@ -97,43 +98,25 @@ class MoECausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors; raises on an unknown name or a parameter left unloaded. Tensors
         of experts this rank does not hold are skipped."""
-        params = dict(self.named_parameters())
+        tracker = WeightTracker(self)
         moes = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
-        seen: dict[str, set[object]] = {}
         for name, tensor in weights:
             if self.skip_weight(name):
                 continue
-            shard: object = None
             expert = expert_checkpoint_name(name)
-            if expert is not None:
+            if expert is None:
+                name, shard = stacked_target(name, self.stacked_params)
+            else:
                 moe_name, name, shard = expert
                 if moe_name not in moes:
                     raise KeyError(f"checkpoint tensor of expert {shard} has no MoE layer {moe_name!r}")
                 if not moes[moe_name].placement.holds(shard[0]):
                     continue
-            else:
-                part = name.split(".")[-2] if "." in name else ""
-                if part in self.stacked_params:
-                    fused, shard = self.stacked_params[part]
-                    name = name.replace(f".{part}.", f".{fused}.")
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[name]
-            if shard is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard)
-            seen.setdefault(name, set()).add(shard)
-        for name, param in params.items():
-            module, part = name.rsplit(".", 1)[0], name.split(".")[-2] if "." in name else ""
-            if module in moes:
-                want = moes[module].expected_shards(param)
-            else:
-                want = {s for p, (f, s) in self.stacked_params.items() if f == part} or {None}
-            got = seen.get(name, set())
-            if got != want:
-                missing = sorted(want - got, key=str)[:4]
-                raise ValueError(f"parameter {name!r} was not (fully) loaded: shards {missing} missing of {len(want)}")
+            tracker.load(name, tensor, shard)
+        for name, param in tracker.params.items():
+            module = name.rsplit(".", 1)[0]
+            tracker.check(name, moes[module].expected_shards(param) if module in moes
+                          else stacked_shards(name, self.stacked_params))
         for module in self.modules():
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
