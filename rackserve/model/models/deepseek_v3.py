@@ -31,8 +31,8 @@ from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroup
 from rackserve.model.layers import (SINGLE, ColumnParallelLinear, Held, Linear, MergedLinear, RMSNorm,
                                     RowParallelLinear, silu_and_mul, split_evenly)
 from rackserve.model.mla import MLAAttention
-from rackserve.model.models.llama import LlamaMLP
-from rackserve.model.models.moe_decoder import DecoderLayer, MoECausalLM
+from rackserve.model.models.llama import DecoderLayer, LlamaMLP
+from rackserve.model.models.moe_decoder import MoECausalLM
 from rackserve.model.moe import FusedMoE
 from rackserve.model.rotary import apply_rope, rope_parameters, yarn_mscale
 from rackserve.model.router import Router, RoutingConfig

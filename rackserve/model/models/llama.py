@@ -80,15 +80,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str,
-                 tp: GroupCoordinator):
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer of any architecture here: its attention and its MLP (dense or
+    MoE), each behind an RMSNorm, with the residual carried alongside."""
+
+    def __init__(self, config: dict[str, Any], self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = attention_cls(config, attn_backend, tp)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +106,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         hidden = config["hidden_size"]
         self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, attention_cls, attn_backend, tp)
-                                     for _ in range(config["num_hidden_layers"])])
+        self.layers = nn.ModuleList([
+            DecoderLayer(config, attention_cls(config, attn_backend, tp), LlamaMLP(config, tp))
+            for _ in range(config["num_hidden_layers"])])
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
 

@@ -1,5 +1,6 @@
-"""The decoder skeleton the MoE architectures share: a pre-norm layer around any attention and any MLP
-(dense, or a sparse MoE block), the model (embedding, layers, final norm, RoPE), and a CausalLM
+"""The decoder skeleton the MoE architectures share: the model (embedding, layers built from
+llama.py's pre-norm DecoderLayer around any attention and any MLP, dense or a sparse MoE block,
+final norm, RoPE), and a CausalLM
 base with the interface of llama.py whose weight loader also routes per-expert checkpoint tensors
 into FusedMoE's stacked weights.
 
@@ -22,23 +23,6 @@ from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
 from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.moe import FusedMoE, expert_checkpoint_name
 from rackserve.model.rotary import RotaryEmbedding, rope_parameters
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: dict[str, Any], self_attn: nn.Module, mlp: nn.Module):
-        super().__init__()
-        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = self_attn
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = mlp
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = h if residual is None else h + residual
-        h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
-        residual = h + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
 class DecoderModel(nn.Module):

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from rackserve.distributed.parallel_state import ParallelGroups
-from rackserve.model.models.llama import LlamaMLP, head_dim_of
-from rackserve.model.models.moe_decoder import DecoderLayer, MoECausalLM
+from rackserve.model.models.llama import DecoderLayer, LlamaMLP, head_dim_of
+from rackserve.model.models.moe_decoder import MoECausalLM
 from rackserve.model.models.qwen3 import Qwen3Attention
 from rackserve.model.moe import FusedMoE
 from rackserve.model.router import Router, RoutingConfig
