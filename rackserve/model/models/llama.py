@@ -6,7 +6,8 @@ The CausalLM interface every registered model offers the runner:
   `compute_logits(hidden [R, hidden_size]) -> logits [R, vocab_size]`,
   `load_weights(iterable of (HF tensor name, tensor))`.
 q/k/v and gate/up are fused at load time; the residual add is carried into the next norm as in
-vLLM so that each layer does two adds. Under tensor parallelism (groups.tp) attention heads and
+vLLM so that each layer does two adds. DecoderLayer and DecoderModel serve the MoE models too
+(moe_decoder.py). Under tensor parallelism (groups.tp) attention heads and
 the MLP's intermediate features are split across ranks (column-parallel qkv and gate_up,
 row-parallel o_proj and down_proj), as are the embedding's and lm_head's vocabulary. This file
 must never build attention metadata or touch the KV cache other than through its Attention layers.
@@ -100,17 +101,17 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: dict[str, Any], attention_cls: type[LlamaAttention], attn_backend: str,
-                 max_position: int, tp: GroupCoordinator):
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm and RoPE: the model body of every architecture here."""
+
+    def __init__(self, config: dict[str, Any], layers: list[nn.Module], rope_dim: int, max_position: int,
+                 tp: GroupCoordinator):
         super().__init__()
         hidden = config["hidden_size"]
         self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden, tp)
-        self.layers = nn.ModuleList([
-            DecoderLayer(config, attention_cls(config, attn_backend, tp), LlamaMLP(config, tp))
-            for _ in range(config["num_hidden_layers"])])
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(rope_dim, max_position, rope_parameters(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -131,7 +132,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.model = LlamaModel(config, self.attention_cls, attn_backend, max_position, groups.tp)
+        tp = groups.tp
+        layers = [DecoderLayer(config, self.attention_cls(config, attn_backend, tp), LlamaMLP(config, tp))
+                  for _ in range(config["num_hidden_layers"])]
+        self.model = DecoderModel(config, layers, head_dim_of(config), max_position, tp)
         self.lm_head = LMHead(config["vocab_size"], config["hidden_size"],
                               self.model.embed_tokens if self.tie_word_embeddings else None, groups.tp)
 

@@ -1,8 +1,7 @@
-"""The decoder skeleton the MoE architectures share: the model (embedding, layers built from
-llama.py's pre-norm DecoderLayer around any attention and any MLP, dense or a sparse MoE block,
-final norm, RoPE), and a CausalLM
-base with the interface of llama.py whose weight loader also routes per-expert checkpoint tensors
-into FusedMoE's stacked weights.
+"""The CausalLM base the MoE architectures share: llama.py's DecoderModel over its pre-norm
+DecoderLayers, each around any attention and any MLP (dense, or a sparse MoE block), with the
+interface of llama.py and a weight loader that also routes per-expert checkpoint tensors into
+FusedMoE's stacked weights.
 
 A subclass states how layer i is built (`make_layer`, handing each layer the groups it splits
 over) and its RoPE dimension. The residual add is carried into the next norm as in Llama. Under
@@ -18,30 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
-from rackserve.model.layers import LMHead, RMSNorm, VocabEmbedding
+from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model.layers import LMHead
+from rackserve.model.models.llama import DecoderModel
 from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.moe import FusedMoE, expert_checkpoint_name
-from rackserve.model.rotary import RotaryEmbedding, rope_parameters
-
-
-class DecoderModel(nn.Module):
-    def __init__(self, config: dict[str, Any], layers: list[nn.Module], rope_dim: int, max_position: int,
-                 tp: GroupCoordinator):
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.embed_tokens = VocabEmbedding(config["vocab_size"], hidden, tp)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
-        self.rotary_emb = RotaryEmbedding(rope_dim, max_position, rope_parameters(config))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, attn_metadata)
-        return self.norm(h + residual)
 
 
 class MoECausalLM(nn.Module, ABC):
