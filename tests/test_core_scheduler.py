@@ -163,3 +163,17 @@ def test_prefix_cache_stats_and_cached_tokens():
     stats = sched.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13, 12)
     assert b.num_cached_tokens == 12
+
+
+def test_block_hashes_do_not_follow_the_sampling_seed():
+    """Instances started with different --seed must name equal prefixes alike (KV events,
+    router, KV pool): the hash namespace is not the sampling seed."""
+    hashes = []
+    for seed in (0, 1234):
+        config = EngineConfig(ModelConfig("m", "m", "m", "float32", "cpu", 64, seed),
+                              CacheConfig(4, 1.0, True, None), SchedulerConfig(8, 32))
+        sched = Scheduler(config, 64)
+        req = add(sched, "r", 12)
+        run_step(sched)
+        hashes.append(list(req.block_hashes))
+    assert hashes[0] == hashes[1] and len(hashes[0]) == 3

@@ -32,8 +32,9 @@ class Scheduler:
             raise ValueError(
                 f"the KV cache holds {num_kv_blocks * self.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}: raise --kv-cache-memory or lower --max-model-len")
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
-                                 hash_seed=config.model.seed)
+        # The hash namespace never follows the sampling seed (--seed): instances that sample
+        # differently must still name equal prefixes alike (KV events, router, KV pool).
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
