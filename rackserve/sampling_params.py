@@ -5,11 +5,18 @@ that says what to fix (the server turns it into an HTTP 400). It must never impo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 GREEDY_EPS = 1e-5
+# Below this, a repetition penalty divides a logit of a few units past float32's range: every
+# seen token's logit becomes +-inf and the row has nothing left to sample from.
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+MAX_LOGIT_BIAS = 100.0                  # OpenAI's range for logit_bias values
+SEED_RANGE = (-2**63, 2**63 - 1)        # a 64-bit signed seed (OpenAI's `seed` is an int64)
 
 
 @dataclass
@@ -30,6 +37,7 @@ class SamplingParams:
     logprobs: int | None = None         # None: no logprobs; k: the sampled token's and the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before penalties
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +51,13 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
+        # NaN passes every range check below (each comparison is False), so non-finite values
+        # are refused first, by name.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(f"{name} must be a finite number, got {value!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -57,8 +72,18 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                f"(1 is none), got {self.repetition_penalty}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            bad(f"seed must be a 64-bit signed integer, got {self.seed}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                    or abs(bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias!r} for token {token_id}")
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                bad(f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be at least 1, got {self.max_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -75,5 +100,6 @@ class SamplingParams:
     def child(self, index: int) -> "SamplingParams":
         """The params of the index-th of n samples: n=1, and a distinct seed when seeded."""
         from dataclasses import replace
-        seed = None if self.seed is None else self.seed + index
+        # Wrapped around within 64 bits, so that a seed near the top of the range stays valid.
+        seed = None if self.seed is None else (self.seed + index - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0]
         return replace(self, n=1, seed=seed)

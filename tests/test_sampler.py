@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackserve.model.sampler import Sampler, SamplingRow, apply_penalties, apply_top_k_top_p
+from rackserve.model.sampler import (Sampler, SamplingRow, apply_penalties, apply_top_k_top_p,
+                                     sample_isolating_failures)
 from rackserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -182,3 +183,55 @@ def test_logprobs_only_for_rows_that_ask():
     logits = random_logits(2)
     out = Sampler(0, CPU)(logits, [row(temperature=0.0), row(temperature=0.0, logprobs=1)])
     assert out.logprobs[0] is None and out.logprobs[1].top_token_ids == [out.token_ids[1]]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("min_p", float("nan")), ("presence_penalty", float("-inf")), ("frequency_penalty", float("nan")),
+    ("repetition_penalty", float("nan")), ("repetition_penalty", 1e-40), ("repetition_penalty", 1e30),
+    ("seed", 2**64), ("logit_bias", {3: float("nan")}), ("logit_bias", {3: 1e300}), ("logit_bias", {-1: 1.0}),
+])
+def test_non_finite_and_degenerate_values_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+def test_child_seeds_stay_within_64_bits():
+    top = SamplingParams(n=3, seed=2**63 - 1)
+    assert [top.child(i).seed for i in range(3)] == [2**63 - 1, -2**63, -2**63 + 1]
+
+
+def test_top_k_of_the_whole_vocabulary_or_more_filters_nothing():
+    logits = random_logits(2)
+    for top_k in (64, 1000):
+        out = Sampler(0, CPU)(logits, [row(top_k=top_k, top_p=1.0, seed=5), row(top_k=top_k, top_p=0.9, seed=6)])
+        assert all(0 <= t < 64 for t in out.token_ids)
+
+
+def test_top_p_below_float32_resolution_keeps_the_top_token():
+    logits = random_logits(3)
+    out = Sampler(0, CPU)(logits, [row(top_p=1e-300, seed=i) for i in range(3)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = random_logits(2)
+    top = logits[1].argmax().item()
+    out = Sampler(0, CPU)(logits, [row(temperature=0.0, logit_bias={7: 100.0}, logprobs=1),
+                                   row(temperature=0.0, logit_bias={top: -100.0})])
+    assert out.token_ids[0] == 7
+    assert out.token_ids[1] == logits[1].topk(2).indices[1].item()   # the runner-up, once the top is pushed down
+    assert out.logprobs[0].sampled_logprob == pytest.approx(logits[0].log_softmax(-1)[7].item())
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = random_logits(4)
+    logits[1, 5] = float("nan")                 # a row the model computed badly
+    rows = [row(temperature=0.0), row(temperature=0.0), row(temperature=0.7, seed=3),
+            row(temperature=0.0, logit_bias={7: 1.0})]
+    rows[3].params.logit_bias = {10**6: 1.0}    # out of the vocabulary: its sampling raises
+    out, failed = sample_isolating_failures(Sampler(0, CPU), logits, rows)
+    assert set(failed) == {1, 3} and "non-finite" in failed[1] and "sampling failed" in failed[3]
+    alone = Sampler(0, CPU)(logits[2:3], [row(temperature=0.7, seed=3)])
+    assert out.token_ids[0] == logits[0].argmax().item() and out.token_ids[2] == alone.token_ids[0]
+    assert out.token_ids[1] == out.token_ids[3] == -1

@@ -1,6 +1,6 @@
 """Sampler: turns one step's logits into one token per request, with vLLM v1's semantics.
 
-Order: penalties (repetition over prompt + output, presence and frequency over output), then
+Order: logit_bias, penalties (repetition over prompt + output, presence and frequency over output), then
 greedy rows take the argmax; random rows apply temperature, min_p, top_k, top_p and draw by the
 exponential race (argmax of probs / Exponential(1) noise). A seeded request draws its noise from
 its own generator, so its tokens do not depend on what else is in the batch. Logprobs come from
@@ -8,6 +8,8 @@ the raw logits (before penalties and temperature), as vLLM's default "raw_logpro
 
 This file owns the sampling math, vectorised over rows. It must never touch the KV cache, the
 scheduler or request state beyond what a SamplingRow carries, and never mutate the caller's logits.
+A failure while sampling one row fails that row alone (`sample_isolating_failures`): the engine
+ends that request with an error and every other request in the batch gets its token.
 """
 from __future__ import annotations
 
@@ -44,10 +46,13 @@ class Sampler:
         params = [row.params for row in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         penalized = any(_has_penalties(p) for p in params)
-        if not penalized and not want_logprobs and all(p.greedy for p in params):
+        biased = any(p.logit_bias for p in params)
+        if not penalized and not biased and not want_logprobs and all(p.greedy for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+        if biased:
+            logits = apply_logit_bias(logits, params)
         if penalized:
             logits = apply_penalties(logits, rows)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -69,7 +74,9 @@ class Sampler:
         logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+        vocab = logits.shape[1]
+        # A top_k of the whole vocabulary or more filters nothing (vLLM clamps it alike).
+        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
         if len(filtered) == len(params):
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         elif filtered:
@@ -87,6 +94,48 @@ class Sampler:
         # the noise is never 0 and a masked token never becomes 0 / 0.
         noise.log_().neg_()
         return probs.div_(noise).argmax(dim=-1)
+
+
+def sample_isolating_failures(sampler: Sampler, logits: torch.Tensor,
+                              rows: list[SamplingRow]) -> tuple[SamplerOutput, dict[int, str]]:
+    """Sample every row; a row that cannot be sampled (non-finite logits, or an error while
+    sampling it) gets token -1 and a reason in the returned {row index: reason}, the others their
+    tokens as if sampled together. Deterministic, so every TP rank fails the same rows."""
+    bad = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+    failed = {i: "the model produced non-finite logits for this request" for i in bad}
+    good = [i for i in range(len(rows)) if i not in failed]
+    token_ids: list[int] = [-1] * len(rows)
+    logprobs: list[LogprobsLists | None] = [None] * len(rows)
+    groups = [good] if good else []
+    try:
+        attempt = [(g, sampler(logits[g] if len(g) < len(rows) else logits, [rows[i] for i in g]))
+                   for g in groups]
+    except Exception:   # noqa: BLE001 - find the rows at fault: sample them one by one
+        attempt = []
+        for i in good:
+            try:
+                attempt.append(([i], sampler(logits[i:i + 1], [rows[i]])))
+            except Exception as e:  # noqa: BLE001 - that row's request fails, not the step
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+    for group, out in attempt:
+        for j, i in enumerate(group):
+            token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+    vocab = logits.shape[1]
+    for i, t in enumerate(token_ids):
+        if i not in failed and not 0 <= t < vocab:
+            failed[i] = f"sampling produced token id {t}, outside the vocabulary"
+    return SamplerOutput(token_ids, logprobs), failed
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """A new tensor with each row's logit_bias added (OpenAI's logit_bias; ids checked upstream)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+    return logits
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -175,7 +224,9 @@ def _cutoffs(logits: torch.Tensor, desc: torch.Tensor, k: torch.Tensor,
     probs = (desc - log_total).exp()
     mass_above = probs.cumsum(dim=-1) - probs
     keep = (mass_above < p.unsqueeze(1)) & (desc > float("-inf"))
-    kept = keep.sum(dim=-1)
+    # At least the most likely token stays: a top_p too small to cover even it (or one that
+    # float32 rounds to 0) keeps that one token, as vLLM does.
+    kept = keep.sum(dim=-1).clamp(min=1)
     if bool(((kept == width) & no_top_k).any()):
         return None
     return desc.gather(1, (kept - 1).unsqueeze(1))

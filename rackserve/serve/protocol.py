@@ -51,8 +51,6 @@ class SamplingRequest(OpenAIBaseModel):
 
     def unsupported(self) -> str | None:
         """The name of a field set to something this server cannot honour, if any."""
-        if self.logit_bias:
-            return "logit_bias"
         if self.stream_options is not None and not self.stream:
             return "stream_options"
         return None
@@ -69,7 +67,18 @@ class SamplingRequest(OpenAIBaseModel):
             repetition_penalty=given(self.repetition_penalty, 1.0), max_tokens=max_tokens,
             stop=given(self.stop, []), stop_token_ids=given(self.stop_token_ids, []),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self._logit_bias())
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(key): value for key, value in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids written as integers, e.g. "
+                             '{"50256": -100}') from None
 
     @property
     def include_usage(self) -> bool:
