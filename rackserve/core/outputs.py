@@ -69,6 +69,9 @@ class ModelRunnerOutput:
     # Tokens routed to each global expert in this step, summed over the MoE layers (one per token
     # and chosen expert; under DP this DP rank's tokens only). None: not an MoE model.
     expert_token_counts: list[int] | None = None
+    # Requests this step could not serve (e.g. sampling failed for them alone) -> why. The
+    # scheduler ends each with an error; the rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [])

@@ -138,6 +138,11 @@ class Scheduler:
         stats.expert_token_counts = sum_expert_token_counts([stats.expert_token_counts,
                                                              runner_output.expert_token_counts])
         outputs = []
+        for req_id, reason in runner_output.failed.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.finished:
+                self.finish_requests([req_id], RequestStatus.FINISHED_ERROR, reason)
+                outputs.append(EngineCoreOutput(req_id, [], None, "error", reason, request.num_cached_tokens))
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                 runner_output.logprobs):
             request = self.requests.get(req_id)

@@ -15,15 +15,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rackserve.config import EngineArgs, EngineConfig
-from rackserve.engine.llm_engine import EngineDeadError, LLMEngine, PreparedRequest, PromptType
+from rackserve.engine.llm_engine import (EngineDeadError, EngineOverloadedError, LLMEngine, PreparedRequest,
+                                         PromptType, RequestFailedError)
 from rackserve.engine.stats import StatLogger
 from rackserve.outputs import RequestOutput
 from rackserve.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = ()):
+    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = (),
+                 max_waiting_requests: int | None = None):
+        """`max_waiting_requests`: most sequences (a request counts its n) taken but without a
+        first token yet; None: unbounded."""
         self.engine = LLMEngine(config, stat_loggers)
+        self.max_waiting_requests = max_waiting_requests
+        self.num_waiting = 0              # sequences taken, no first token yet (the callers' loop only)
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -40,20 +46,40 @@ class AsyncEngine:
         first yield for a request that can never run; aborts the request if the caller stops
         iterating early (a client that went away)."""
         self.check_health()
-        prepared = self.engine.prepare(request_id, prompt, params, cache_salt)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._send("add", (prepared, asyncio.get_running_loop(), stream))
-        self.check_health()   # the engine may have died before it could take the request
-        finished = False
+        weight = params.n
+        if self.max_waiting_requests is not None and self.num_waiting + weight > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({self.num_waiting} sequences waiting for a first token, "
+                f"limit {self.max_waiting_requests}); retry later")
+        self.num_waiting += weight
+        finished = added = False
         try:
+            prepared = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, cache_salt)
+            stream: asyncio.Queue = asyncio.Queue()
+            self._send("add", (prepared, asyncio.get_running_loop(), stream))
+            added = True
+            self.check_health()   # the engine may have died before it could take the request
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if weight:
+                    self.num_waiting -= weight
+                    weight = 0
+                failure = next((o.stop_reason for o in item.outputs if o.finish_reason == "error"), None)
+                if failure is not None:
+                    raise RequestFailedError(str(failure))
                 finished = item.finished
                 yield item
+        except asyncio.CancelledError:
+            if not added:
+                # The caller left while its prompt was being tokenized: the engine never saw it,
+                # but it was a request, and it ended as an abort (counted with the others).
+                self._send("abort_unstarted", params.n)
+            raise
         finally:
-            if not finished:
+            self.num_waiting -= weight
+            if added and not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -111,6 +137,8 @@ class AsyncEngine:
             if kind == "add":
                 prepared, loop, stream = payload
                 self._add(prepared, loop, stream)
+            elif kind == "abort_unstarted":
+                self.engine.processor.record_unstarted_abort(payload)
             else:
                 self._streams.pop(payload, None)
                 self.engine.abort_request(payload)

@@ -50,11 +50,13 @@ class EngineCore:
         for scheduler in self.schedulers:
             scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def stop_requests(self, stops: dict[str, str]) -> None:
-        """End requests whose text hit a stop string (request id -> the stop string)."""
-        for req_id, stop in stops.items():
+    def stop_requests(self, stops: dict[str, str],
+                      status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """End requests found finished above the core: by a stop string (request id -> the stop
+        string), or, with FINISHED_ERROR, by a failure of theirs alone (request id -> why)."""
+        for req_id, reason in stops.items():
             for scheduler in self.schedulers:
-                scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop)
+                scheduler.finish_requests([req_id], status, reason)
 
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)

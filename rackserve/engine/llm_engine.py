@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from rackserve.config import EngineArgs, EngineConfig
-from rackserve.core.request import Request
+from rackserve.core.request import Request, RequestStatus
 from rackserve.engine.core import EngineCore
 from rackserve.engine.output_processor import OutputProcessor
 from rackserve.engine.stats import IterationStats, StatLogger
@@ -25,6 +25,14 @@ PromptType = Union[str, dict]
 
 class EngineDeadError(RuntimeError):
     """The engine failed (a step raised, e.g. a worker died) or was shut down: it takes no more work."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (e.g. its sampling raised); the engine and others go on."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's waiting queue is full; the request was not taken (retry later)."""
 
 
 @dataclass
@@ -59,6 +67,8 @@ class LLMEngine:
         vocab = self.core.executor.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         if len(token_ids) >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your "
                              f"prompt has {len(token_ids)} tokens, which leaves no room for output. "
@@ -105,6 +115,8 @@ class LLMEngine:
         processed = self.processor.process(outputs)
         if processed.stops:
             self.core.stop_requests(processed.stops)
+        if processed.errors:
+            self.core.stop_requests(processed.errors, RequestStatus.FINISHED_ERROR)
         for logger in self.stat_loggers:
             logger.record(scheduler_stats, processed.iteration_stats)
         return processed.request_outputs
@@ -112,13 +124,17 @@ class LLMEngine:
     def record_idle_stats(self) -> None:
         """Report the scheduler's state when no step will run (after aborts emptied it)."""
         stats = self.core.make_stats()
+        iteration = IterationStats(finished_requests=self.processor.take_aborted())
         for logger in self.stat_loggers:
-            logger.record(stats, IterationStats())
+            logger.record(stats, iteration)
 
     def shutdown(self) -> None:
         self.core.shutdown()
 
     def _tokenize(self, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if isinstance(text, str):   # refuse a text too long to fit before tokenizing all of it
+            self.tokenizer.check_fits(len(text), self.config.model.max_model_len)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -43,6 +43,7 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     stops: dict[str, str]           # engine request id -> stop string that ended it
     iteration_stats: IterationStats
+    errors: dict[str, str]          # engine request id -> why processing its output failed
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -55,6 +56,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.samples: dict[str, _SampleState] = {}
+        self._aborted: list[FinishedRequestStats] = []   # aborts since the last stats report
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> list[str]:
@@ -70,46 +72,54 @@ class OutputProcessor:
         return ids
 
     def abort(self, request_id: str) -> list[str]:
-        """Forget a request; returns the engine ids of its samples, to abort in the engine core."""
+        """Forget a request; returns the engine ids of its samples, to abort in the engine core.
+        Its unfinished samples are reported as finished with "abort" in the next stats."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
+        now = time.monotonic()
         for engine_id in parent.engine_ids:
-            self.samples.pop(engine_id, None)
+            sample = self.samples.pop(engine_id, None)
+            if sample is not None:
+                self._aborted.append(FinishedRequestStats(
+                    "abort", now - parent.metrics.arrival_time, len(parent.prompt_token_ids), sample.num_tokens))
         return parent.engine_ids
+
+    def record_unstarted_abort(self, num_samples: int) -> None:
+        """A request aborted before it reached the engine (its client left while it was being
+        tokenized): reported with the other aborts, so that finished requests add up to sent ones."""
+        self._aborted += [FinishedRequestStats("abort", 0.0, 0, 0)] * num_samples
+
+    def take_aborted(self) -> list[FinishedRequestStats]:
+        """Aborts not yet reported (process() reports them with its step's stats)."""
+        aborted, self._aborted = self._aborted, []
+        return aborted
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
-        stats = IterationStats()
+        stats = IterationStats(finished_requests=self._aborted)
+        self._aborted = []
         stops: dict[str, str] = {}
+        errors: dict[str, str] = {}
         by_parent: dict[str, RequestOutput] = {}
         for out in outputs:
             sample = self.samples.get(out.req_id)
             if sample is None:
                 continue   # aborted by the caller while the step ran
+            try:
+                text, finish_reason, stop_reason = self._text(sample, out, now, stats, stops)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                errors[out.req_id] = f"processing the output failed: {type(e).__name__}: {e}"
+                text, finish_reason, stop_reason = "", "error", errors[out.req_id]
             parent = sample.parent
-            self._record_timing(sample, out, now, stats)
-            text = sample.detokenizer.update(out.new_token_ids, out.finished)
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if sample.detokenizer.stop_string is not None and not out.finished:
-                finish_reason, stop_reason = "stop", sample.detokenizer.stop_string
-                stops[out.req_id] = stop_reason
-                text += sample.detokenizer.update([], True)   # release what was held back
             if finish_reason is not None:
-                sample.finished = True
-                parent.num_unfinished -= 1
-                del self.samples[out.req_id]
-                if parent.num_unfinished == 0:
-                    del self.parents[parent.request_id]
-                stats.finished_requests.append(FinishedRequestStats(
-                    finish_reason, now - parent.metrics.arrival_time,
-                    len(parent.prompt_token_ids), sample.num_tokens))
+                self._finish(sample, out.req_id, finish_reason, now, stats)
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             completion = CompletionOutput(
                 sample.index, text, list(out.new_token_ids),
                 cumulative_logprob=(None if out.new_logprobs is None
                                     else sum(e.sampled_logprob for e in out.new_logprobs)),
-                logprobs=self._logprobs(out.new_logprobs, out.new_token_ids),
+                logprobs=None if out.req_id in errors else self._logprobs(out.new_logprobs, out.new_token_ids),
                 finish_reason=finish_reason, stop_reason=stop_reason)
             ro = by_parent.get(parent.request_id)
             if ro is None:
@@ -121,7 +131,29 @@ class OutputProcessor:
             ro.num_cached_tokens = parent.num_cached_tokens
             if ro.finished:
                 parent.metrics.finished_time = now
-        return ProcessedOutputs(list(by_parent.values()), stops, stats)
+        return ProcessedOutputs(list(by_parent.values()), stops, stats, errors)
+
+    def _text(self, sample: _SampleState, out: EngineCoreOutput, now: float, stats: IterationStats,
+              stops: dict[str, str]) -> tuple[str, str | None, int | str | None]:
+        """The sample's new text and how it finished (a stop string found here goes in `stops`)."""
+        self._record_timing(sample, out, now, stats)
+        text = sample.detokenizer.update(out.new_token_ids, out.finished)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if sample.detokenizer.stop_string is not None and not out.finished:
+            finish_reason, stop_reason = "stop", sample.detokenizer.stop_string
+            stops[out.req_id] = stop_reason
+            text += sample.detokenizer.update([], True)   # release what was held back
+        return text, finish_reason, stop_reason
+
+    def _finish(self, sample: _SampleState, engine_id: str, finish_reason: str, now: float,
+                stats: IterationStats) -> None:
+        parent = sample.parent
+        parent.num_unfinished -= 1
+        del self.samples[engine_id]
+        if parent.num_unfinished == 0:
+            del self.parents[parent.request_id]
+        stats.finished_requests.append(FinishedRequestStats(
+            finish_reason, now - parent.metrics.arrival_time, len(parent.prompt_token_ids), sample.num_tokens))
 
     @staticmethod
     def _record_timing(sample: _SampleState, out: EngineCoreOutput, now: float, stats: IterationStats) -> None:

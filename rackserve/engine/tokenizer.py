@@ -12,6 +12,8 @@ This file owns tokenization and chat-template rendering. It must never decode in
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from collections.abc import Sequence
@@ -68,6 +70,19 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._backend.decode([token_id], skip_special_tokens=False)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: a text of more than max_len times this
+        many characters cannot fit in max_len tokens, which is known without tokenizing it."""
+        return max(1, max(map(len, self._backend.get_vocab(with_added_tokens=True))))
+
+    def check_fits(self, num_chars: int, max_len: int) -> None:
+        """Raises ValueError when a text of `num_chars` characters must exceed `max_len` tokens."""
+        if num_chars > max_len * self.max_token_chars:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens; a prompt of "
+                             f"{num_chars} characters is longer than any prompt of {max_len} tokens "
+                             "can be. Please reduce the length of the prompt.")
 
 
 def load_tokenizer(path: str, reader: "gguf.GGUFReader | None" = None) -> Tokenizer:

@@ -25,7 +25,7 @@ from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_
                                       model_kv_cache_spec)
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
-from rackserve.model.sampler import Sampler, SamplingRow
+from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
 from rackserve.sampling_params import SamplingParams
 
 
@@ -122,11 +122,15 @@ class ModelRunner:
                 state.generator.manual_seed(_position_seed(state.sampling_params.seed, len(state.output_token_ids)))
         rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator)
                 for s in inputs.sampling_states]
-        sampled = self.sampler(logits, rows)
-        for state, token in zip(inputs.sampling_states, sampled.token_ids):
-            state.output_token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in inputs.sampling_states], [[t] for t in sampled.token_ids],
-                                 sampled.logprobs, expert_token_counts=expert_counts)
+        sampled, failed_rows = sample_isolating_failures(self.sampler, logits, rows)
+        states = inputs.sampling_states
+        for i, (state, token) in enumerate(zip(states, sampled.token_ids)):
+            if i not in failed_rows:   # a failed request is ended by the scheduler, then dropped here
+                state.output_token_ids.append(token)
+        ok = [i for i in range(len(states)) if i not in failed_rows]
+        return ModelRunnerOutput([states[i].req_id for i in ok], [[sampled.token_ids[i]] for i in ok],
+                                 [sampled.logprobs[i] for i in ok], expert_token_counts=expert_counts,
+                                 failed={states[i].req_id: reason for i, reason in failed_rows.items()})
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

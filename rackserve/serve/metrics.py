@@ -54,7 +54,7 @@ class PrometheusStatLogger(StatLogger):
                                              ITL_BUCKETS)
         self.e2e_request_latency = histogram("e2e_request_latency_seconds",
                                              "Time from arrival to the last token.", E2E_BUCKETS)
-        # Labelled per finish reason at record time: "stop", "length", "abort".
+        # Labelled per finish reason at record time: "stop", "length", "abort", "error".
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        labels + ["finished_reason"], registry=self.registry)
         # Data parallelism: each DP rank's scheduler, labelled dp_rank at record time; the gauges
