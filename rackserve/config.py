@@ -135,15 +135,7 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            meta = dict(f.metadata)
-            help_ = meta.pop("help")
-            if f.type in (bool, "bool"):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-            else:
-                parser.add_argument(flag, type=_parse_type(f.type), default=f.default, help=help_, **meta)
-        return parser
+        return add_dataclass_cli_args(cls, parser)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
@@ -201,6 +193,19 @@ class EngineArgs:
         _require(backend != "nccl" or device == "cuda", "the nccl backend needs device=cuda")
         return ParallelConfig(tp, backend, self.master_addr, self.master_port, nnodes, self.node_rank,
                               data_parallel_size=dp, enable_expert_parallel=self.enable_expert_parallel)
+
+
+def add_dataclass_cli_args(cls: type, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per field of a dataclass declared with `_opt` (`max_num_seqs` is `--max-num-seqs`)."""
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_ = meta.pop("help")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            parser.add_argument(flag, type=_parse_type(f.type), default=f.default, help=help_, **meta)
+    return parser
 
 
 def _require(ok: bool, msg: str) -> None:

@@ -242,7 +242,8 @@ BAD_REQUESTS = {   # name: (endpoint, body (a dict, or raw text), status, param)
                                                             "max_tokens": MAX_MODEL_LEN}, 400, None),
     "stream_options_without_stream": ("completions", {**COMPLETION, "stream_options": {
         "include_usage": True}}, 400, "stream_options"),
-    "logit_bias": ("chat/completions", {**CHAT, "logit_bias": {"5": 10.0}}, 400, "logit_bias"),
+    "logit_bias_outside_vocab": ("chat/completions", {**CHAT, "logit_bias": {str(VOCAB + 3): 10.0}}, 400, None),
+    "logit_bias_key_not_an_id": ("chat/completions", {**CHAT, "logit_bias": {"hello": 10.0}}, 400, None),
     "echo": ("completions", {**COMPLETION, "echo": True}, 400, "echo"),
 }
 

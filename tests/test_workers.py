@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -151,6 +152,14 @@ def test_server_fails_in_flight_request_and_exits_when_a_worker_dies(tiny_llama_
         with pytest.raises(openai.APIError, match="worker"):
             for _ in stream:
                 pass
+        while server.poll() is None:   # until it exits, a dead engine answers 503 everywhere
+            try:
+                assert httpx.get(f"{url}/health", timeout=2).status_code == 503
+                refused = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=2)
+                assert refused.status_code == 503 and "worker" in refused.json()["error"]["message"].lower()
+            except httpx.TransportError:
+                pass   # it stopped listening on its way out
+            time.sleep(0.05)
         assert server.wait(timeout=BOUND_S) == 1
         assert time.monotonic() - killed < BOUND_S
     finally:

@@ -2,8 +2,10 @@
 around one AsyncEngine.
 
 This file owns the HTTP contract: every refused request gets a 4xx with an OpenAI error body
-and the server keeps serving; a client that goes away cancels its handler, which aborts its
-engine requests. It must never sample, schedule or shape completion bodies (serving_*.py do).
+and the server keeps serving (413 past --max-request-body-bytes, 429 with Retry-After when the
+waiting queue is full); a request that fails alone gets a 500 and the others go on; a dead engine
+answers 503 everywhere until the server exits; a client that goes away cancels its handler, which
+aborts its engine requests. It must never sample, schedule or shape completion bodies (serving_*.py do).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rackserve import __version__
 from rackserve.config import EngineArgs
 from rackserve.engine.async_engine import AsyncEngine
-from rackserve.engine.llm_engine import EngineDeadError
+from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rackserve.serve.serving_chat import OpenAIServingChat
@@ -33,14 +37,32 @@ from rackserve.serve.serving_engine import OpenAIError, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first"
+RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 
 
-def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger) -> FastAPI:
+def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers."""
+    limits = limits or ServerLimits()
     model_name = engine.config.model.served_model_name
-    completions = OpenAIServingCompletion(engine, model_name)
-    chat = OpenAIServingChat(engine, model_name)
+    completions = OpenAIServingCompletion(engine, model_name, limits)
+    chat = OpenAIServingChat(engine, model_name, limits)
     app = FastAPI(title="rackserve", version=__version__)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return JSONResponse(OpenAIError(str(e), status=503, type="server_error").body(), status_code=503)
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, e: EngineOverloadedError) -> JSONResponse:
+        body = OpenAIError(str(e), status=429, type="rate_limit_error", code="server_overloaded").body()
+        return JSONResponse(body, status_code=429, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        body = OpenAIError(f"this request failed (the server goes on): {e}", status=500,
+                           type="server_error").body()
+        return JSONResponse(body, status_code=500)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
@@ -81,15 +103,51 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger) -> FastAPI
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
-        request = _parse(CompletionRequest, await raw.body())
+        request = _parse(CompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
         return await _respond(raw, completions.create_completion(request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        request = _parse(ChatCompletionRequest, await raw.body())
+        request = _parse(ChatCompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
         return await _respond(raw, chat.create_chat_completion(request))
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, plus the request bodies of the two POST routes: they parse raw bodies
+    themselves (for OpenAI-format errors), so FastAPI cannot see their schemas. Clients and
+    schema fuzzers (schemathesis, in the tests) read them here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/completions", CompletionRequest),
+                            ("/v1/chat/completions", ChatCompletionRequest)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _read_body(raw: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes (from
+    Content-Length, or while it streams in), so an oversized body is never held whole."""
+    too_large = OpenAIError(f"the request body exceeds {limit} bytes (--max-request-body-bytes)",
+                            status=413, code="request_too_large")
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -152,10 +210,11 @@ def run_server(args: argparse.Namespace) -> None:
     If the engine dies (a step raised, a worker died) the server stops too and this raises
     SystemExit(1), so that whatever supervises it sees the failure."""
     engine_args = EngineArgs.from_cli_args(args)
+    limits = ServerLimits.from_cli_args(args)
     stat_logger = PrometheusStatLogger(engine_args.create_engine_config().model.served_model_name)
-    engine = AsyncEngine(engine_args, stat_loggers=[stat_logger])
+    engine = AsyncEngine(engine_args, stat_loggers=[stat_logger], max_waiting_requests=limits.max_waiting_requests)
     try:
-        app = build_app(engine, stat_logger)
+        app = build_app(engine, stat_logger, limits)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=3)
         # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make

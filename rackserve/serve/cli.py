@@ -95,7 +95,9 @@ def _user_errors(command: str) -> Iterator[None]:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from rackserve.serve.limits import ServerLimits
     EngineArgs.add_cli_args(parser)
+    ServerLimits.add_cli_args(parser.add_argument_group("request limits"))
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--uvicorn-log-level", default="info",

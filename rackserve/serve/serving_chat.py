@@ -6,6 +6,7 @@ values (SamplingParams does) nor decide whether a prompt fits the context (the e
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import AsyncIterator
@@ -25,13 +26,19 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) an iterator of SSE events already past the first token."""
-        self.check_request(request)
+        self.check_request(request, 1, request.top_logprobs)
         if not request.messages:
             raise OpenAIError("messages is empty; send at least one message", param="messages")
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        try:
-            prompt = self.tokenizer.apply_chat_template(request.chat_messages())
+        messages = request.chat_messages()
+        try:   # the context bound needs no rendering: a huge conversation is refused at once
+            self.tokenizer.check_fits(sum(len(m["content"]) for m in messages),
+                                      self.engine.config.model.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        try:   # off the event loop: a long conversation must not stall other connections
+            prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
         except Exception as e:  # the template rejects a conversation (e.g. roles out of order)
             raise OpenAIError(f"the chat template could not render these messages: {e}",
                               param="messages") from None

@@ -24,8 +24,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest
                                 ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) an iterator of SSE events already past the first token."""
-        self.check_request(request)
         prompts = request.prompts()
+        self.check_request(request, len(prompts), request.logprobs, request.best_of)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.start(prompts, params, request_id)

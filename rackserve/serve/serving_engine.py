@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from rackserve.outputs import CompletionOutput, Logprob, RequestOutput
 from rackserve.sampling_params import SamplingParams
+from rackserve.serve.limits import ServerLimits, check_limits
 from rackserve.serve.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingRequest,
                                       UsageInfo)
 
@@ -169,16 +170,23 @@ async def wait_for_disconnect(request: Request) -> None:
 class OpenAIServing:
     """Checks common to both endpoints, and starting the engine requests of one HTTP request."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.limits = limits or ServerLimits()
 
-    def check_request(self, request: SamplingRequest) -> None:
+    def check_request(self, request: SamplingRequest, num_prompts: int, logprobs: int | None,
+                      best_of: int | None = None) -> None:
         if request.model is not None and request.model != self.model_name:
             raise OpenAIError(f"The model `{request.model}` does not exist; this server serves "
                               f"`{self.model_name}` (see /v1/models)", status=404, param="model",
                               code="model_not_found")
+        exceeded = check_limits(self.limits, n=request.n, best_of=best_of, num_prompts=num_prompts,
+                                logprobs=logprobs, stop=request.stop, stop_token_ids=request.stop_token_ids,
+                                logit_bias=request.logit_bias)
+        if exceeded is not None:
+            raise OpenAIError(exceeded[0], param=exceeded[1])
         unsupported = request.unsupported()
         if unsupported:
             raise OpenAIError(f"`{unsupported}` is not supported here with this value; remove it "
