@@ -282,3 +282,15 @@ def test_full_waiting_queue_answers_429_with_retry_after(tmp_path):
         assert httpx.post(f"{server.url}/v1/completions", json=COMP, timeout=60).status_code == 200
     finally:
         _stop(server)
+
+
+def test_bench_overload_reports_rates(server, tmp_path):
+    out = tmp_path / "overload.json"
+    run = subprocess.run([sys.executable, "-m", "rackserve.serve.cli", "bench", "overload", "--url", server.url,
+                          "--rates", "5,10", "--duration", "1", "--output", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert [r["sent"] for r in result["rates"]] == [5, 10]
+    assert all(r["ok"] == r["sent"] and r["refused_429"] == 0 for r in result["rates"])
+    assert result["sustained_rps"] > 0 and result["processor"]
