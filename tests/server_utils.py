@@ -17,7 +17,7 @@ def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tupl
     the test fails with that log if the server exits or does not come up within `timeout` s."""
     port = free_port()
     with open(log_path, "w") as log:      # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "serve", *flags,
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve", "serve", *flags,
                                  "--port", str(port), "--uvicorn-log-level", "warning"],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -32,3 +32,12 @@ def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tupl
             proc.kill()
             pytest.fail(f"server did not come up:\n{Path(log_path).read_text()}")
         time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, which must end the server promptly with exit code 0 (it is killed either way)."""
+    proc.terminate()
+    try:
+        assert proc.wait(timeout=timeout) == 0
+    finally:
+        proc.kill()

@@ -25,7 +25,8 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """None when the engine runs with skip_tokenizer_init."""
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -51,6 +52,9 @@ class LLM:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs the tokenizer's chat template, which skip_tokenizer_init "
+                             "leaves out; pass token ids to generate() instead")
         prompts = []
         for conversation in conversations:
             ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)

@@ -50,7 +50,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = ()):
         if isinstance(config, EngineArgs):
             config = config.create_engine_config()
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        # skip_tokenizer_init: token ids in and out, no text (and so no EOS the engine could know).
+        self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
         self.core = EngineCore(config)
         self.config = self.core.config
         self.processor = OutputProcessor(self.tokenizer)
@@ -61,6 +63,9 @@ class LLMEngine:
                 cache_salt: str | None = None) -> PreparedRequest:
         """Tokenize and validate; raises ValueError for a request that can never run."""
         text, token_ids = self._tokenize(prompt)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need the tokenizer, which skip_tokenizer_init leaves out; "
+                             "use stop_token_ids")
         max_len = self.config.model.max_model_len
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -86,7 +91,7 @@ class LLMEngine:
                                                 req.params, req.arrival_time)
         self.core.add_requests([
             Request(engine_id, req.prompt_token_ids, req.params if req.params.n == 1 else req.params.child(index),
-                    eos_token_ids=self.tokenizer.eos_token_ids, arrival_time=req.arrival_time,
+                    eos_token_ids=self.eos_token_ids, arrival_time=req.arrival_time,
                     cache_salt=req.cache_salt)
             for index, engine_id in enumerate(engine_ids)])
 
@@ -132,8 +137,12 @@ class LLMEngine:
         self.core.shutdown()
 
     def _tokenize(self, prompt: PromptType | list[int]) -> tuple[str | None, list[int]]:
+        text_only = isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+        if self.tokenizer is None and text_only:
+            raise ValueError("this engine runs with skip_tokenizer_init: prompts must be token ids "
+                             "(a list of ints or {'prompt_token_ids': [...]}), not text")
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        if isinstance(text, str):   # refuse a text too long to fit before tokenizing all of it
+        if isinstance(text, str) and self.tokenizer is not None:   # refuse a text too long to fit before tokenizing all of it
             self.tokenizer.check_fits(len(text), self.config.model.max_model_len)
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)

@@ -22,7 +22,7 @@ class _SampleState:
     """One of the n samples of a request; it runs in the engine core as its own request."""
     parent: "_ParentState"
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None     # None without a tokenizer: token ids only
     num_tokens: int = 0
     last_token_time: float = 0.0
 
@@ -52,7 +52,7 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.samples: dict[str, _SampleState] = {}
@@ -67,8 +67,9 @@ class OutputProcessor:
         parent = _ParentState(request_id, prompt, prompt_token_ids, RequestMetrics(arrival_time), ids, params.n)
         self.parents[request_id] = parent
         for index, engine_id in enumerate(ids):
-            self.samples[engine_id] = _SampleState(
-                parent, index, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
+            detokenizer = None if self.tokenizer is None else \
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            self.samples[engine_id] = _SampleState(parent, index, detokenizer)
         return ids
 
     def abort(self, request_id: str) -> list[str]:
@@ -137,12 +138,15 @@ class OutputProcessor:
               stops: dict[str, str]) -> tuple[str, str | None, int | str | None]:
         """The sample's new text and how it finished (a stop string found here goes in `stops`)."""
         self._record_timing(sample, out, now, stats)
-        text = sample.detokenizer.update(out.new_token_ids, out.finished)
+        detokenizer = sample.detokenizer
+        if detokenizer is None:     # skip_tokenizer_init: token ids only
+            return "", out.finish_reason, out.stop_reason
+        text = detokenizer.update(out.new_token_ids, out.finished)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if sample.detokenizer.stop_string is not None and not out.finished:
-            finish_reason, stop_reason = "stop", sample.detokenizer.stop_string
+        if detokenizer.stop_string is not None and not out.finished:
+            finish_reason, stop_reason = "stop", detokenizer.stop_string
             stops[out.req_id] = stop_reason
-            text += sample.detokenizer.update([], True)   # release what was held back
+            text += detokenizer.update([], True)   # release what was held back
         return text, finish_reason, stop_reason
 
     def _finish(self, sample: _SampleState, engine_id: str, finish_reason: str, now: float,
@@ -175,8 +179,11 @@ class OutputProcessor:
             return None
         out = []
         for entry, token_id in zip(lists, token_ids):
-            d = {token_id: Logprob(entry.sampled_logprob, entry.sampled_rank, self.tokenizer.token_text(token_id))}
+            d = {token_id: Logprob(entry.sampled_logprob, entry.sampled_rank, self._token_text(token_id))}
             for rank, (tid, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
-                d.setdefault(tid, Logprob(lp, rank, self.tokenizer.token_text(tid)))
+                d.setdefault(tid, Logprob(lp, rank, self._token_text(tid)))
             out.append(d)
         return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.token_text(token_id) if self.tokenizer else None

@@ -59,14 +59,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use the completions API instead")
         # Templates write BOS and friends themselves, so the text is encoded without adding them
         # (transformers does the same when it tokenizes a rendered template).
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         return self._backend.decode([token_id], skip_special_tokens=False)

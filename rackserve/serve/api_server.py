@@ -28,12 +28,15 @@ from rackserve import __version__
 from rackserve.config import EngineArgs
 from rackserve.engine.async_engine import AsyncEngine
 from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from rackserve.serve.gate import GateMiddleware, ServerGate
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rackserve.serve.serving_chat import OpenAIServingChat
 from rackserve.serve.serving_completion import OpenAIServingCompletion
 from rackserve.serve.serving_engine import OpenAIError, wait_for_disconnect
+from rackserve.serve.serving_tokenization import (DetokenizeRequest, OpenAIServingTokenization,
+                                                  TokenizeRequest)
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first"
@@ -41,13 +44,17 @@ RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 
 
 def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers."""
+              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers.
+    Its door (`app.state.gate`, see gate.py) checks `api_key` when one is given."""
     limits = limits or ServerLimits()
     model_name = engine.config.model.served_model_name
     completions = OpenAIServingCompletion(engine, model_name, limits)
     chat = OpenAIServingChat(engine, model_name, limits)
+    tokenization = OpenAIServingTokenization(engine, model_name, limits)
     app = FastAPI(title="rackserve", version=__version__)
+    app.state.gate = ServerGate(api_key)
+    app.add_middleware(GateMiddleware, gate=app.state.gate)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -104,26 +111,37 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
         request = _parse(CompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
-        return await _respond(raw, completions.create_completion(request))
+        return await _respond(raw, completions.create_completion(request, raw.state.request_id))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
         request = _parse(ChatCompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
-        return await _respond(raw, chat.create_chat_completion(request))
+        return await _respond(raw, chat.create_chat_completion(request, raw.state.request_id))
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        request = _parse(TokenizeRequest, await _read_body(raw, limits.max_request_body_bytes))
+        return _json(await tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        request = _parse(DetokenizeRequest, await _read_body(raw, limits.max_request_body_bytes))
+        return _json(await tokenization.detokenize(request))
 
     app.openapi = lambda: _openapi(app)
     return app
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's document, plus the request bodies of the two POST routes: they parse raw bodies
+    """FastAPI's document, plus the request bodies of the POST routes: they parse raw bodies
     themselves (for OpenAI-format errors), so FastAPI cannot see their schemas. Clients and
     schema fuzzers (schemathesis, in the tests) read them here."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for path, model in (("/v1/completions", CompletionRequest),
-                            ("/v1/chat/completions", ChatCompletionRequest)):
+                            ("/v1/chat/completions", ChatCompletionRequest),
+                            ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body
@@ -205,8 +223,9 @@ def _json(body: BaseModel) -> Response:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Loads the model and serves until SIGINT/SIGTERM, then stops the engine and the server.
-    `args` holds the engine flags plus host, port and uvicorn_log_level (see `rackserve serve`).
+    """Loads the model and serves until SIGINT/SIGTERM, then drains (see _Server) and exits 0.
+    `args` holds the engine flags plus host, port, uvicorn_log_level, api_key and
+    shutdown_timeout (see `rackserve serve`).
     If the engine dies (a step raised, a worker died) the server stops too and this raises
     SystemExit(1), so that whatever supervises it sees the failure."""
     engine_args = EngineArgs.from_cli_args(args)
@@ -214,14 +233,14 @@ def run_server(args: argparse.Namespace) -> None:
     stat_logger = PrometheusStatLogger(engine_args.create_engine_config().model.served_model_name)
     engine = AsyncEngine(engine_args, stat_loggers=[stat_logger], max_waiting_requests=limits.max_waiting_requests)
     try:
-        app = build_app(engine, stat_logger, limits)
+        app = build_app(engine, stat_logger, limits, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=3)
         # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
         # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            died = asyncio.run(_serve(_Server(config, engine), engine))
+            died = asyncio.run(_serve(_Server(config, engine, app.state.gate, args.shutdown_timeout), engine))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -233,15 +252,23 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, stopping the engine first when it shuts down (SIGINT/SIGTERM): requests
-    in flight then end at once (a stream with an error event and [DONE]) instead of holding the
-    shutdown for the grace period and being cancelled mid-response."""
+    """uvicorn's server, draining before it shuts down (SIGINT/SIGTERM): new requests get 503
+    (/health too, so load balancers stop routing here) while those in flight run to their end for
+    up to `shutdown_timeout` s (a second signal cuts that short). Then the engine stops, which ends
+    what is left at once (a stream with an error event and [DONE]) instead of holding uvicorn's
+    own grace period and being cancelled mid-response."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: ServerGate,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.gate, self.shutdown_timeout = engine, gate, shutdown_timeout
 
     async def shutdown(self, sockets: list | None = None) -> None:
+        if self.gate.in_flight:
+            logger.info("draining %d request(s) for up to %s s", self.gate.in_flight, self.shutdown_timeout)
+        left = await self.gate.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
+        if left:
+            logger.warning("aborting %d request(s) still in flight at shutdown", left)
         self.engine.shutdown()
         await super().shutdown(sockets)
 

@@ -102,6 +102,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version")
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0,
+                        help="seconds that requests in flight get to finish after SIGTERM/SIGINT before "
+                             "they are aborted (new requests get 503 meanwhile)")
 
 
 @register_subcommand("serve", "serve the OpenAI-compatible API over HTTP", _add_serve_args)
@@ -167,6 +172,8 @@ def _chat(args: argparse.Namespace) -> int:
     from rackserve.engine.async_engine import AsyncEngine
     with _user_errors("chat"):
         params = _sampling_params(args)
+        if args.skip_tokenizer_init:
+            raise ValueError("chat needs the tokenizer's chat template; drop --skip-tokenizer-init")
         engine = AsyncEngine(EngineArgs.from_cli_args(args))
     history = [{"role": "system", "content": args.system}] if args.system else []
     # One loop for the whole session, run only while a reply streams: input() runs outside it,

@@ -48,6 +48,8 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: requests with different salts never share prefix-cache blocks (tenant isolation)
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def unsupported(self) -> str | None:
         """The name of a field set to something this server cannot honour, if any."""
@@ -95,6 +97,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False      # vLLM's: choices carry prompt_token_ids and token_ids
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -173,6 +176,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None   # with return_token_ids (streamed: first chunk only)
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):

@@ -23,10 +23,14 @@ from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, 
 
 class OpenAIServingChat(OpenAIServing):
 
-    async def create_chat_completion(self, request: ChatCompletionRequest
+    async def create_chat_completion(self, request: ChatCompletionRequest, request_id: str | None = None
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or (stream=True) an iterator of SSE events already past the first token."""
+        """The response, or (stream=True) an iterator of SSE events already past the first token.
+        `request_id` (the client's X-Request-Id) is the stem of the response's and engine's ids."""
         self.check_request(request, 1, request.top_logprobs)
+        if self.tokenizer is None:
+            raise OpenAIError("this server runs with --skip-tokenizer-init, so it has no chat template; "
+                              "send token ids to /v1/completions", param="messages")
         if not request.messages:
             raise OpenAIError("messages is empty; send at least one message", param="messages")
         if request.top_logprobs is not None and not request.logprobs:
@@ -48,8 +52,8 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
         top_k = request.top_logprobs or 0
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start([prompt], params, request_id)
+        request_id = f"chatcmpl-{request_id or uuid.uuid4().hex}"
+        streams = await self.start([prompt], params, request_id, request.cache_salt)
         if request.stream:
             return self._stream(request, streams, request_id, params.n, top_k)
         try:

@@ -21,37 +21,45 @@ from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, 
 
 class OpenAIServingCompletion(OpenAIServing):
 
-    async def create_completion(self, request: CompletionRequest
+    async def create_completion(self, request: CompletionRequest, request_id: str | None = None
                                 ) -> CompletionResponse | AsyncIterator[str]:
-        """The response, or (stream=True) an iterator of SSE events already past the first token."""
+        """The response, or (stream=True) an iterator of SSE events already past the first token.
+        `request_id` (the client's X-Request-Id) is the stem of the response's and engine's ids."""
         prompts = request.prompts()
         self.check_request(request, len(prompts), request.logprobs, request.best_of)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start(prompts, params, request_id)
+        request_id = f"cmpl-{request_id or uuid.uuid4().hex}"
+        streams = await self.start(prompts, params, request_id, request.cache_salt)
+        # Without a tokenizer the text is empty: the token ids are the answer.
+        with_ids = request.return_token_ids or self.tokenizer is None
         if request.stream:
-            return self._stream(request, streams, request_id, params.n)
+            return self._stream(request, streams, request_id, params.n, with_ids)
         try:
-            return await self._collect(streams, request_id, params.n)
+            return await self._collect(streams, request_id, params.n, with_ids)
         finally:
             streams.abort()
 
-    async def _collect(self, streams: RequestStreams, request_id: str, n: int) -> CompletionResponse:
+    async def _collect(self, streams: RequestStreams, request_id: str, n: int,
+                       with_ids: bool) -> CompletionResponse:
         choices: dict[int, ChoiceState] = {}
+        prompt_ids: dict[int, list[int]] = {}
         usage = UsageCounter()
         async for p, out in streams:
             usage.add(p, out)
+            prompt_ids[p] = out.prompt_token_ids
             for delta in out.outputs:
                 choices.setdefault(p * n + delta.index, ChoiceState()).add(delta)
         return CompletionResponse(
             id=request_id, model=self.model_name, usage=usage.info(),
             choices=[CompletionResponseChoice(
                 index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self._logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None)
+                logprobs=self._logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None,
+                prompt_token_ids=prompt_ids[i // n] if with_ids else None,
+                token_ids=c.token_ids if with_ids else None)
                 for i, c in sorted(choices.items())])
 
     async def _stream(self, request: CompletionRequest, streams: RequestStreams, request_id: str,
-                      n: int) -> AsyncIterator[str]:
+                      n: int, with_ids: bool) -> AsyncIterator[str]:
         created = int(time.time())
         choices: dict[int, ChoiceState] = {}
         usage = UsageCounter()
@@ -61,8 +69,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 for delta in out.outputs:
                     index = p * n + delta.index
                     state = choices.setdefault(index, ChoiceState())
-                    if not (delta.text or delta.finish_reason or delta.logprobs):
+                    if not (delta.text or delta.finish_reason or delta.logprobs or with_ids and delta.token_ids):
                         continue  # tokens held back (a partial stop string or UTF-8 character)
+                    first_chunk, state.opened = not state.opened, True
                     logprobs = None
                     if delta.logprobs:
                         logprobs = self._logprobs(delta.token_ids, delta.logprobs, state.text_offset)
@@ -71,7 +80,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         id=request_id, created=created, model=self.model_name,
                         choices=[CompletionResponseChoice(
                             index=index, text=delta.text, logprobs=logprobs,
-                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)]))
+                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                            prompt_token_ids=out.prompt_token_ids if with_ids and first_chunk else None,
+                            token_ids=delta.token_ids if with_ids else None)]))
             if request.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
                                              choices=[], usage=usage.info()))

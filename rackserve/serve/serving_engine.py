@@ -12,6 +12,7 @@ import asyncio
 import collections
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -64,9 +65,13 @@ class RequestStreams:
     """
 
     def __init__(self, engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str) -> None:
+                 request_id: str, cache_salt: str | None = None) -> None:
         self.engine = engine
-        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.cache_salt = cache_salt
+        # A client's X-Request-Id is only the stem: two requests sent with the same one must
+        # still get distinct engine ids.
+        unique = uuid.uuid4().hex[:8]
+        self.request_ids = [f"{request_id}-{unique}-{i}" for i in range(len(prompts))]
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self._ready: collections.deque[tuple[int, RequestOutput | BaseException | None]] = collections.deque()
         self._finished: set[int] = set()
@@ -74,7 +79,7 @@ class RequestStreams:
 
     async def _pump(self, index: int, prompt: str | list[int], params: SamplingParams) -> None:
         try:
-            async for out in self.engine.generate(prompt, params, self.request_ids[index]):
+            async for out in self.engine.generate(prompt, params, self.request_ids[index], self.cache_salt):
                 self._queue.put_nowait((index, out))
         except Exception as e:  # handed to the consumer, which decides between 400 and 500
             self._queue.put_nowait((index, e))
@@ -121,6 +126,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0
+    opened: bool = False                # a streamed chunk of this choice was sent
 
     def add(self, delta: CompletionOutput) -> None:
         self.text += delta.text
@@ -150,10 +156,11 @@ class UsageCounter:
                              cached_tokens=sum(self.cached_tokens.values())))
 
 
-def token_text(tokenizer: Tokenizer, token_id: int, logprob: Logprob | None) -> str:
+def token_text(tokenizer: Tokenizer | None, token_id: int, logprob: Logprob | None) -> str:
+    """A token's text; without a tokenizer (skip_tokenizer_init) "token_id:N", as vLLM writes it."""
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
-    return tokenizer.token_text(token_id)
+    return tokenizer.token_text(token_id) if tokenizer else f"token_id:{token_id}"
 
 
 def top_by_rank(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -176,12 +183,15 @@ class OpenAIServing:
         self.model_name = model_name
         self.limits = limits or ServerLimits()
 
-    def check_request(self, request: SamplingRequest, num_prompts: int, logprobs: int | None,
-                      best_of: int | None = None) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise OpenAIError(f"The model `{request.model}` does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist; this server serves "
                               f"`{self.model_name}` (see /v1/models)", status=404, param="model",
                               code="model_not_found")
+
+    def check_request(self, request: SamplingRequest, num_prompts: int, logprobs: int | None,
+                      best_of: int | None = None) -> None:
+        self.check_model(request.model)
         exceeded = check_limits(self.limits, n=request.n, best_of=best_of, num_prompts=num_prompts,
                                 logprobs=logprobs, stop=request.stop, stop_token_ids=request.stop_token_ids,
                                 logit_bias=request.logit_bias)
@@ -201,8 +211,8 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams,
-                    request_id: str) -> RequestStreams:
-        streams = RequestStreams(self.engine, prompts, params, request_id)
+                    request_id: str, cache_salt: str | None = None) -> RequestStreams:
+        streams = RequestStreams(self.engine, prompts, params, request_id, cache_salt)
         try:
             await streams.start()
         except BaseException as e:  # includes the handler's cancellation on client disconnect
