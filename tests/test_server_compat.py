@@ -138,6 +138,10 @@ TOKENIZE_ERRORS = {   # name: (path, body, status, param)
     "neither": ("/tokenize", {}, 400, "prompt"),
     "unknown_model": ("/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
     "unknown_role": ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, 400, "messages"),
+    # Texts no context could hold are refused before they are tokenized whole.
+    "prompt_past_any_context": ("/tokenize", {"prompt": "ab " * 400_000}, 400, "prompt"),
+    "messages_past_any_context": ("/tokenize", {"messages": [{"role": "user", "content": "ab " * 400_000}]}, 400,
+                                  "messages"),
 }
 
 
