@@ -195,12 +195,12 @@ def test_return_token_ids_agree_with_tokenize_and_the_text(server, client):
     assert plain.model_extra["token_ids"] is None and plain.model_extra["prompt_token_ids"] is None
 
 
-def test_gate_compares_the_headers_bytes_with_the_key():
+def test_admission_compares_the_headers_bytes_with_the_key():
     from starlette.datastructures import Headers
 
-    from rackserve.serve.gate import ServerGate
-    gate = ServerGate("k€y")            # a header carries the key's UTF-8 bytes
-    assert gate.refusal("/v1/models", Headers(raw=[(b"authorization", "Bearer k€y".encode())])) is None
+    from rackserve.serve.admission import Admission
+    admission = Admission("k€y")            # a header carries the key's UTF-8 bytes
+    assert admission.refusal("/v1/models", Headers(raw=[(b"authorization", "Bearer k€y".encode())])) is None
     for sent in ("Bearer k€", "Bearer k€yy", "bearer k€y", "k€y"):
-        assert gate.refusal("/v1/models", Headers(raw=[(b"authorization", sent.encode())])).status == 401
-    assert gate.refusal("/metrics", Headers(raw=[])) is None
+        assert admission.refusal("/v1/models", Headers(raw=[(b"authorization", sent.encode())])).status == 401
+    assert admission.refusal("/metrics", Headers(raw=[])) is None

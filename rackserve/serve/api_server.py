@@ -28,7 +28,7 @@ from rackserve import __version__
 from rackserve.config import EngineArgs
 from rackserve.engine.async_engine import AsyncEngine
 from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
-from rackserve.serve.gate import GateMiddleware, ServerGate
+from rackserve.serve.admission import Admission, AdmissionMiddleware
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -46,15 +46,15 @@ RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
               limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers.
-    Its door (`app.state.gate`, see gate.py) checks `api_key` when one is given."""
+    Its door (`app.state.admission`, see admission.py) checks `api_key` when one is given."""
     limits = limits or ServerLimits()
     model_name = engine.config.model.served_model_name
     completions = OpenAIServingCompletion(engine, model_name, limits)
     chat = OpenAIServingChat(engine, model_name, limits)
     tokenization = OpenAIServingTokenization(engine, model_name, limits)
     app = FastAPI(title="rackserve", version=__version__)
-    app.state.gate = ServerGate(api_key)
-    app.add_middleware(GateMiddleware, gate=app.state.gate)
+    app.state.admission = Admission(api_key)
+    app.add_middleware(AdmissionMiddleware, admission=app.state.admission)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
@@ -240,7 +240,7 @@ def run_server(args: argparse.Namespace) -> None:
         # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            died = asyncio.run(_serve(_Server(config, engine, app.state.gate, args.shutdown_timeout), engine))
+            died = asyncio.run(_serve(_Server(config, engine, app.state.admission, args.shutdown_timeout), engine))
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -258,15 +258,15 @@ class _Server(uvicorn.Server):
     what is left at once (a stream with an error event and [DONE]) instead of holding uvicorn's
     own grace period and being cancelled mid-response."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: ServerGate,
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, admission: Admission,
                  shutdown_timeout: float) -> None:
         super().__init__(config)
-        self.engine, self.gate, self.shutdown_timeout = engine, gate, shutdown_timeout
+        self.engine, self.admission, self.shutdown_timeout = engine, admission, shutdown_timeout
 
     async def shutdown(self, sockets: list | None = None) -> None:
-        if self.gate.in_flight:
-            logger.info("draining %d request(s) for up to %s s", self.gate.in_flight, self.shutdown_timeout)
-        left = await self.gate.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
+        if self.admission.in_flight:
+            logger.info("draining %d request(s) for up to %s s", self.admission.in_flight, self.shutdown_timeout)
+        left = await self.admission.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
         if left:
             logger.warning("aborting %d request(s) still in flight at shutdown", left)
         self.engine.shutdown()

@@ -27,7 +27,7 @@ OPEN_WHILE_DRAINING = frozenset({"/metrics", "/version"})
 MAX_REQUEST_ID_LEN = 256
 
 
-class ServerGate:
+class Admission:
     """The door's state, shared by the middleware and the server's shutdown."""
 
     def __init__(self, api_key: str | None = None) -> None:
@@ -68,20 +68,20 @@ def valid_request_id(request_id: str) -> bool:
     return 0 < len(request_id) <= MAX_REQUEST_ID_LEN and all(" " <= c <= "~" for c in request_id)
 
 
-class GateMiddleware:
+class AdmissionMiddleware:
     """Pure ASGI (not BaseHTTPMiddleware), so streamed responses and client disconnects pass
     through untouched. A passed request finds its id stem in `request.state.request_id`."""
 
-    def __init__(self, app: ASGIApp, gate: ServerGate) -> None:
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
         self.app = app
-        self.gate = gate
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        error = self.gate.refusal(scope["path"], headers)
+        error = self.admission.refusal(scope["path"], headers)
         request_id = headers.get("x-request-id") if error is None else None
         request_id = request_id or uuid.uuid4().hex
         echo = [(b"x-request-id", request_id.encode())]
@@ -101,8 +101,8 @@ class GateMiddleware:
             await send(message)
 
         counted = scope["path"] not in OPEN_PATHS
-        self.gate.in_flight += counted
+        self.admission.in_flight += counted
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self.gate.in_flight -= counted
+            self.admission.in_flight -= counted
