@@ -71,3 +71,47 @@ def load_hf(path: str | os.PathLike, **kwargs: Any):
     import transformers
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+
+
+# DeepSeek-V4: every attention kind (sliding window 16; CSA at ratio 4 with a 4-head indexer that
+# keeps the top 4 entries; HCA at ratio 16, so short prompts close groups), hash-routed and routed
+# MoE layers (8 experts, top-2, a shared expert), mHC with 4 streams, YaRN on the compressed layers
+# over an original context of 64, grouped output projection in 2 groups.
+DEEPSEEK_V4: dict[str, Any] = dict(
+    hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+    q_lora_rank=48, partial_rotary_factor=0.25, vocab_size=512, n_routed_experts=8, num_experts_per_tok=2,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=4, hc_mult=4,
+    max_position_embeddings=1024, initializer_range=0.15, rms_norm_eps=1e-6, swiglu_limit=1.0,
+    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def build_tiny_deepseek_v4(path: str | os.PathLike, seed: int = 0, **config_overrides: Any) -> str:
+    """A random DeepseekV4ForCausalLM (DEEPSEEK_V4 + overrides) saved as safetensors in `path`.
+    What transformers initialises to constants (sinks, slot biases, mHC biases and scales, norms,
+    the correction bias, the hash table) is drawn at random too, so that none of it can be
+    loaded wrongly unnoticed; each token's hash experts are distinct."""
+    import transformers
+    config = transformers.DeepseekV4Config(**{**DEEPSEEK_V4, **config_overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("hc.scale", "hc_scale")):
+                p.normal_(1.0, 0.2)
+            elif name.endswith(("sinks", "position_bias", "hc.base", "hc_base")):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+            elif name.endswith("tid2eid"):
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts)[:config.num_experts_per_tok]
+                                     for _ in range(config.vocab_size)]))
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)

@@ -73,7 +73,7 @@ class ModelRunner:
         info = self.model_info
         # What each layer caches on this rank: its share of the KV heads, or MLA's whole latent.
         self.kv_cache_spec = spec = model_kv_cache_spec(self.model)
-        self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla)
+        self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla, family=spec.family)
         self.workspace = Workspace()
         self.kv_cache_dtype = kv_cache_dtype(config)
         # A DP rank's ranks must index the same blocks: the one with the least room sets the count

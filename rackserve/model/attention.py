@@ -71,14 +71,16 @@ class KVCacheSpec:
     """What one attention layer caches: `num_tensors` tensors, each [num_blocks, block_size,
     num_kv_heads, head_size]. MHA/GQA caches K and V (2 tensors) of this rank's KV heads; MLA
     caches one latent per token (1 tensor, one "head" of kv_lora_rank + qk_rope_head_dim values)
-    that all query heads share."""
+    that all query heads share. A `family` ("dsv4") names layers whose backend is "name_family"
+    and who cache one tensor of `head_size` values per token, laid out by the family itself."""
     num_kv_heads: int
     head_size: int
     use_mla: bool = False
+    family: str = ""
 
     @property
     def num_tensors(self) -> int:
-        return 1 if self.use_mla else 2
+        return 1 if self.use_mla or self.family else 2
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.num_tensors * self.num_kv_heads * self.head_size * dtype.itemsize
@@ -123,10 +125,11 @@ def register_attn_backend(name: str):
     return wrap
 
 
-def get_attn_backend(name: str, use_mla: bool = False) -> Any:
+def get_attn_backend(name: str, use_mla: bool = False, family: str = "") -> Any:
     """Backend `name` (an AttentionBackend); with use_mla, its latent-attention sibling
-    `name_mla` (an MLABackend). Both build their per-step metadata with `build_metadata`."""
-    name = f"{name}_mla" if use_mla else name
+    `name_mla` (an MLABackend); with a family, `name_family`. All build their per-step metadata
+    with `build_metadata`."""
+    name = f"{name}_mla" if use_mla else f"{name}_{family}" if family else name
     if name not in ATTENTION_BACKENDS:
         # Backend "x" lives in rackserve/model/x_attention.py; importing it registers it.
         try:

@@ -51,6 +51,9 @@ class ModelInfo:
             # Multi-head latent attention (DeepSeek-V2/V3), recognised as vLLM does: every layer
             # caches the compressed KV and the roped shared key, whatever the head count.
             spec = KVCacheSpec(1, config["kv_lora_rank"] + config["qk_rope_head_dim"], use_mla=True)
+        elif config["architectures"][0] == "DeepseekV4ForCausalLM":
+            from rackserve.model.dsv4_attention import DSV4CacheLayout
+            spec = KVCacheSpec(1, DSV4CacheLayout.of(config).width, family="dsv4")
         else:
             spec = KVCacheSpec(num_kv_heads, head_dim)
         eos = config.get("eos_token_id")

@@ -77,7 +77,11 @@ def get_moe_backend(name: str) -> type[MoEBackend]:
 @register_moe_backend("torch")
 class TorchMoEBackend(MoEBackend):
     """Sort the (token, expert) pairs by expert, one gate_up and one down matmul per active expert
-    over its contiguous rows, scale by the routing weights, unsort and sum each token's pairs."""
+    over its contiguous rows, scale by the routing weights, unsort and sum each token's pairs.
+    `activation` (SiLU-and-mul) is what a model with another gated activation overrides."""
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up)
 
     def apply(self, tokens: DispatchedTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         hidden, ids = tokens.hidden, tokens.topk_ids.flatten()
@@ -93,7 +97,7 @@ class TorchMoEBackend(MoEBackend):
         for expert, n in enumerate(counts[1:]):
             if n:
                 seg = slice(start, start + n)
-                out[seg] = F.linear(silu_and_mul(F.linear(x[seg], w13[expert])), w2[expert])
+                out[seg] = F.linear(self.activation(F.linear(x[seg], w13[expert])), w2[expert])
                 start += n
         out *= tokens.topk_weights.flatten()[order].unsqueeze(1).to(out.dtype)
         # Unpermute into [token, slot] and sum the slots: a fixed summation order, and no

@@ -1,0 +1,200 @@
+"""DeepSeek-V4 attention as a model layer: the projections, RoPE and the weights of the compressors
+and the lightning indexer, plus the per-token layout of the one paged cache tensor every V4 layer
+owns (DSV4CacheLayout). The paged work (writing the cache, closing compression groups, choosing the
+indexer's top-k, attending) is the backend's ("name_dsv4", e.g. model/torch_dsv4_attention.py).
+
+Every layer kind attends one shared K=V head: a sliding window of `sliding_window` tokens (the
+current one included) plus, for compressed layers, compressed entries of `ratio` tokens each: all
+closed ones (HCA) or the indexer's top `index_topk` (CSA, whose entries overlap: entry g pools the
+Ca half of group g-1 and the Cb half of group g). RoPE is interleaved on the trailing rope dims,
+plain (rope_theta) on sliding layers, YaRN (compress_rope_theta) on compressed layers, their
+compressors and the indexer; the output's rope dims are rotated back at the query position.
+
+The cache layout is the simplest that fits the paged engine: per token and layer, the window key,
+the compressor's raw kv and gate (its partial-group state), the compressed entry (written at the
+slot of the token that closes its group) and the indexer's raw kv, gate and entry. Everything in a
+block is a function of the tokens up to it, so prefix caching, chunked prefill and preemption need
+nothing special. This file must never touch the cache tensor itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rackserve.model.attention import AttentionLayerBase, KVCacheSpec, get_attn_backend
+from rackserve.model.layers import Linear, RMSNorm, _param, default_weight_loader
+from rackserve.model.rotary import inverse_frequencies, rope_attention_factor
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+def layer_kinds(config: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind: `layer_types`, or the legacy per-layer `compress_ratios`."""
+    n = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return list(config["layer_types"][:n])
+    if config.get("compress_ratios"):
+        return [_RATIO_KIND[r] for r in config["compress_ratios"][:n]]
+    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+
+
+def compress_ratio(config: dict[str, Any], kind: str) -> int:
+    rates = config.get("compress_rates") or {CSA: 4, HCA: 128}
+    return 0 if kind == SLIDING else int(rates[kind])
+
+
+def rope_dim(config: dict[str, Any]) -> int:
+    if config.get("qk_rope_head_dim"):
+        return int(config["qk_rope_head_dim"])
+    return int(config["head_dim"] * (config.get("partial_rotary_factor") or 64 / 512))
+
+
+def rope_params(config: dict[str, Any], which: str) -> dict[str, Any]:
+    """"main" (sliding layers) or "compress" (compressed layers, compressors, indexer)."""
+    nested = config.get("rope_parameters") or {}
+    if isinstance(nested.get(which), dict):
+        params = dict(nested[which])
+    elif which == "main":
+        params = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    else:
+        params = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("compress_rope_theta", 160000.0)}
+        params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        if params["rope_type"] == "yarn":
+            params.setdefault("attention_factor", 1.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class InterleavedRope(nn.Module):
+    """cos/sin of one rope rule, one entry per channel pair, computed for any positions."""
+
+    def __init__(self, dim: int, params: dict[str, Any]):
+        super().__init__()
+        self.dim, self.factor = dim, rope_attention_factor(params)
+        self.register_buffer("inv_freq", inverse_frequencies(dim, params), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq
+        return freqs.cos() * self.factor, freqs.sin() * self.factor
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x ([T, ..., D]) in (even, odd) pairs;
+    cos, sin: [T, rope_dim / 2]. Computed in float32, as transformers does."""
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.view(shape), sin.view(shape)
+    pairs = x[..., -2 * half:].float().unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-2 * half], rotated.to(x.dtype)], dim=-1)
+
+
+@dataclass(frozen=True)
+class DSV4CacheLayout:
+    """Channel ranges of one token's cache entry (the same for every layer of a model, sized for
+    its largest kind; a layer uses what its kind needs)."""
+    head_dim: int
+    compress_width: int      # raw kv values per token: 2 * head_dim with CSA layers, head_dim with only HCA
+    index_dim: int           # the indexer's head dim; 0 without CSA layers
+
+    def _ranges(self) -> dict[str, tuple[int, int]]:
+        sizes = {"window": self.head_dim, "entry": self.head_dim if self.compress_width else 0,
+                 "raw_kv": self.compress_width, "raw_gate": self.compress_width,
+                 "index_raw_kv": 2 * self.index_dim, "index_raw_gate": 2 * self.index_dim,
+                 "index_entry": self.index_dim}
+        out, start = {}, 0
+        for name, size in sizes.items():
+            out[name] = (start, start + size)
+            start += size
+        return out
+
+    def range(self, name: str) -> tuple[int, int]:
+        return self._ranges()[name]
+
+    @property
+    def width(self) -> int:
+        return self._ranges()["index_entry"][1]
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> "DSV4CacheLayout":
+        kinds = set(layer_kinds(config))
+        hd = config["head_dim"]
+        width = 2 * hd if CSA in kinds else hd if HCA in kinds else 0
+        return cls(hd, width, config.get("index_head_dim", 128) if CSA in kinds else 0)
+
+
+class Compressor(nn.Module):
+    """A compressor's weights ("compressor" or "indexer.compressor"): raw kv and gate per token
+    (2 series, Ca and Cb, when overlapping), a learned bias per slot of the group (`ape`), and the
+    norm of the pooled entry."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        width = (2 if overlap else 1) * dim
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.wkv, self.wgate = Linear(hidden, width), Linear(hidden, width)
+        self.ape = _param(ratio, width)
+        self.ape.weight_loader = default_weight_loader
+        self.norm = RMSNorm(dim, eps)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's weights: its own overlapping compressor, queries from the attention's
+    q_residual, and per-head score weights."""
+
+    def __init__(self, config: dict[str, Any], ratio: int):
+        super().__init__()
+        hidden, self.num_heads, self.head_dim = config["hidden_size"], config["index_n_heads"], config["index_head_dim"]
+        self.topk = config["index_topk"]
+        self.compressor = Compressor(hidden, self.head_dim, ratio, True, config.get("rms_norm_eps", 1e-6))
+        self.wq_b = Linear(config["q_lora_rank"], self.num_heads * self.head_dim)
+        self.weights_proj = Linear(hidden, self.num_heads)
+
+
+class DeepseekV4Attention(AttentionLayerBase):
+    """One layer's attention ("layers.i.attn" in checkpoints); names follow DeepSeek's checkpoints."""
+
+    def __init__(self, config: dict[str, Any], kind: str, attn_backend: str):
+        super().__init__()
+        hidden, self.num_heads, hd = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.kind, self.head_dim, self.eps = kind, hd, eps
+        self.ratio = compress_ratio(config, kind)
+        self.window = config["sliding_window"]
+        self.o_groups = config["o_groups"]
+        self.wq_a = Linear(hidden, config["q_lora_rank"])
+        self.q_norm = RMSNorm(config["q_lora_rank"], eps)
+        self.wq_b = Linear(config["q_lora_rank"], self.num_heads * hd)
+        self.wkv = Linear(hidden, hd)
+        self.norm = RMSNorm(hd, eps)
+        self.wo_a = Linear(self.num_heads * hd // self.o_groups, self.o_groups * config["o_lora_rank"])
+        self.wo_b = Linear(self.o_groups * config["o_lora_rank"], hidden)
+        self.attn_sink = _param(self.num_heads)
+        self.attn_sink.weight_loader = default_weight_loader
+        self.compressor = Compressor(hidden, hd, self.ratio, kind == CSA, eps) if kind != SLIDING else None
+        self.indexer = Indexer(config, self.ratio) if kind == CSA else None
+        self.rope = InterleavedRope(rope_dim(config), rope_params(config, "main" if kind == SLIDING else "compress"))
+        self.compress_rope = InterleavedRope(rope_dim(config), rope_params(config, "compress"))
+        self.layout = DSV4CacheLayout.of(config)
+        self.kv_cache_spec = KVCacheSpec(1, self.layout.width, family="dsv4")
+        self.impl = get_attn_backend(attn_backend, family="dsv4")()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        assert self.kv_cache is not None, "no KV cache bound: call bind_kv_cache() first"
+        t, hd = x.shape[0], self.head_dim
+        cos, sin = self.rope(positions)
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(t, self.num_heads, hd)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        q = apply_interleaved_rope(q, cos, sin)
+        kv = apply_interleaved_rope(self.norm(self.wkv(x)), cos, sin)
+        o = self.impl.forward(self, q, kv, x, q_residual, positions, self.kv_cache[0], attn_metadata)
+        o = apply_interleaved_rope(o, cos, -sin)               # K = V carried rope into the values
+        grouped = o.reshape(t, self.o_groups, -1).transpose(0, 1)             # [groups, T, in]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])       # [groups, d_g, in]
+        return self.wo_b(torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
