@@ -98,7 +98,8 @@ def v4_case(request, tmp_path_factory):
 def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    llm.engine.core.scheduler.check_integrity()
+    for scheduler in llm.engine.core.schedulers:
+        scheduler.check_integrity()
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -138,3 +139,16 @@ def test_quantized_checkpoints_are_refused(v4_case):
         model.load_weights([("layers.0.attn.wq_a.weight", torch.zeros(48, 64, dtype=torch.float8_e4m3fn))])
     with pytest.raises(ValueError, match="quantized"):
         model.load_weights([("layers.0.attn.wq_a.scale", torch.ones(1, 1))])
+
+
+@pytest.mark.parametrize("v4_case", ["first"], indirect=True)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                      dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2_ep2", "dep2"])
+def test_parallel_runs_give_the_one_process_tokens(v4_case, parallel):
+    # One process gives transformers' tokens (above), so the reference stands in for it.
+    model_dir, prompts, expected = v4_case
+    picked = [0, 2, 5, 7]
+    with LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=64, **parallel) as llm:
+        assert run(llm, [prompts[i] for i in picked]) == [expected[i] for i in picked]

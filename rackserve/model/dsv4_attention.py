@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from rackserve.model.attention import AttentionLayerBase, KVCacheSpec, get_attn_backend
-from rackserve.model.layers import Linear, RMSNorm, _param, default_weight_loader
+from rackserve.distributed.parallel_state import GroupCoordinator
+from rackserve.model.layers import (SINGLE, ColumnParallelLinear, Held, Linear, RMSNorm, RowParallelLinear, _param,
+                                    default_weight_loader)
 from rackserve.model.rotary import inverse_frequencies, rope_attention_factor
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -157,25 +159,38 @@ class Indexer(nn.Module):
 
 
 class DeepseekV4Attention(AttentionLayerBase):
-    """One layer's attention ("layers.i.attn" in checkpoints); names follow DeepSeek's checkpoints."""
+    """One layer's attention ("layers.i.attn" in checkpoints); names follow DeepSeek's checkpoints.
 
-    def __init__(self, config: dict[str, Any], kind: str, attn_backend: str):
+    Under tensor parallelism each rank takes whole output groups (o_groups / tp of them) and their
+    heads: wq_b's rows, the sinks and wo_a's groups by heads, wo_b by input columns (its all-reduce
+    ends the layer). The shared KV head, the compressors and the indexer are replicated: every rank
+    caches the whole per-token entry and chooses the same top-k."""
+
+    def __init__(self, config: dict[str, Any], kind: str, attn_backend: str, tp: GroupCoordinator = SINGLE):
         super().__init__()
-        hidden, self.num_heads, hd = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+        hidden, heads, hd = config["hidden_size"], config["num_attention_heads"], config["head_dim"]
+        groups, d_g = config["o_groups"], config["o_lora_rank"]
+        if groups % tp.world_size:
+            raise ValueError(f"tensor_parallel_size={tp.world_size} must divide o_groups={groups}")
         eps = config.get("rms_norm_eps", 1e-6)
         self.kind, self.head_dim, self.eps = kind, hd, eps
         self.ratio = compress_ratio(config, kind)
         self.window = config["sliding_window"]
-        self.o_groups = config["o_groups"]
+        self.o_groups = groups // tp.world_size
+        first_group, per_group = tp.rank_in_group * self.o_groups, heads // groups
+        first_head, self.num_heads = first_group * per_group, self.o_groups * per_group
         self.wq_a = Linear(hidden, config["q_lora_rank"])
         self.q_norm = RMSNorm(config["q_lora_rank"], eps)
-        self.wq_b = Linear(config["q_lora_rank"], self.num_heads * hd)
+        self.wq_b = ColumnParallelLinear(config["q_lora_rank"], heads * hd, tp=tp,
+                                         held=[Held(heads * hd, first_head * hd, self.num_heads * hd)])
         self.wkv = Linear(hidden, hd)
         self.norm = RMSNorm(hd, eps)
-        self.wo_a = Linear(self.num_heads * hd // self.o_groups, self.o_groups * config["o_lora_rank"])
-        self.wo_b = Linear(self.o_groups * config["o_lora_rank"], hidden)
+        self.wo_a = ColumnParallelLinear(heads * hd // groups, groups * d_g, tp=tp,
+                                         held=[Held(groups * d_g, first_group * d_g, self.o_groups * d_g)])
+        self.wo_b = RowParallelLinear(groups * d_g, hidden, False, tp, input_held=(first_group * d_g, self.o_groups * d_g))
         self.attn_sink = _param(self.num_heads)
-        self.attn_sink.weight_loader = default_weight_loader
+        self.attn_sink.weight_loader = lambda p, loaded: default_weight_loader(p, loaded.narrow(0, first_head,
+                                                                                              self.num_heads))
         self.compressor = Compressor(hidden, hd, self.ratio, kind == CSA, eps) if kind != SLIDING else None
         self.indexer = Indexer(config, self.ratio) if kind == CSA else None
         self.rope = InterleavedRope(rope_dim(config), rope_params(config, "main" if kind == SLIDING else "compress"))
@@ -195,6 +210,8 @@ class DeepseekV4Attention(AttentionLayerBase):
         kv = apply_interleaved_rope(self.norm(self.wkv(x)), cos, sin)
         o = self.impl.forward(self, q, kv, x, q_residual, positions, self.kv_cache[0], attn_metadata)
         o = apply_interleaved_rope(o, cos, -sin)               # K = V carried rope into the values
-        grouped = o.reshape(t, self.o_groups, -1).transpose(0, 1)             # [groups, T, in]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])       # [groups, d_g, in]
-        return self.wo_b(torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1))
+        # Sizes spelled out: an idle DP rank's forward of zero tokens cannot infer a -1.
+        per_group = self.num_heads * hd // self.o_groups
+        grouped = o.reshape(t, self.o_groups, per_group).transpose(0, 1)      # [groups, T, in]
+        w = self.wo_a.weight.view(self.o_groups, -1, per_group)               # [groups, d_g, in]
+        return self.wo_b(torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, self.wo_a.output_size))

@@ -11,7 +11,9 @@ their weights from the gate; the others take the top-k of sqrtsoftplus(logits) +
 
 Checkpoints are read in DeepSeek's own names (what transformers writes: layers.i.attn.wq_a,
 ffn.experts.e.w1, hc_attn_fn, ...), with or without the "model." prefix. FP8/FP4 checkpoints
-(block scales) are refused with a clear error. Tensor parallelism is not supported yet. This file
+(block scales) are refused with a clear error. Under tensor parallelism the attention splits by
+output groups (dsv4_attention.py), the experts as FusedMoE does, the embedding and head by vocabulary,
+and mHC is replicated. This file
 must never touch the KV cache other than through its attention layers.
 """
 from __future__ import annotations
@@ -80,7 +82,7 @@ class HyperConnection(nn.Module):
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.eps
+        comb = torch.softmax(comb_w.view(comb_w.shape[0], hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
@@ -155,7 +157,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         n_hash = config.get("num_hash_layers", 3)
         mlp_types = config.get("mlp_layer_types") or ["hash_moe"] * n_hash + ["moe"] * config["num_hidden_layers"]
-        self.attn = DeepseekV4Attention(config, layer_kinds(config)[layer_idx], attn_backend)
+        self.attn = DeepseekV4Attention(config, layer_kinds(config)[layer_idx], attn_backend, groups.tp)
         self.ffn = DeepseekV4MoE(config, mlp_types[layer_idx] == "hash_moe", groups)
         self.attn_norm, self.ffn_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.hc_attn, self.hc_ffn = HyperConnection(config), HyperConnection(config)
@@ -173,8 +175,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def __init__(self, config: dict[str, Any], attn_backend: str, max_position: int, groups: ParallelGroups):
         super().__init__()
-        if groups.tp.world_size > 1:
-            raise ValueError("DeepSeek-V4 does not support tensor parallelism yet")
         if config.get("quantization_config"):
             raise ValueError("DeepSeek-V4 checkpoints with FP8/FP4 block scales (quantization_config) are not "
                              "supported yet: use a bfloat16 or float32 checkpoint")
@@ -201,8 +201,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load DeepSeek-named tensors; raises on an unknown name, a quantized tensor or a parameter
-        left unloaded. Multi-token-prediction tensors (mtp.*) are skipped."""
+        left unloaded. Multi-token-prediction tensors (mtp.*) and experts held by other ranks are
+        skipped."""
         tracker = WeightTracker(self)
+        moes = {n: m for n, m in self.named_modules() if isinstance(m, FusedMoE)}
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name.startswith("mtp."):
@@ -214,12 +216,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = _HC.sub(r"hc_\1.\2", _RENAMES.get(name, name))
             expert = _EXPERT.match(name)
             if expert is not None:
+                if not moes[expert["moe"]].placement.holds(int(expert["e"])):
+                    continue            # another expert-parallel rank's expert
                 param = f"{expert['moe']}.{'w2_weight' if expert['w'] == 'w2' else 'w13_weight'}"
                 tracker.load(param, tensor, (int(expert["e"]), expert["w"]))
                 continue
             name, shard = stacked_target(name, self.stacked_params)
             tracker.load(name, tensor, shard)
-        moes = {n: m for n, m in self.named_modules() if isinstance(m, FusedMoE)}
         for name in tracker.params:
             module = name.rsplit(".", 1)[0]
             tracker.check(name, moes[module].expected_shards(tracker.params[name]) if module in moes
