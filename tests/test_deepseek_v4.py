@@ -152,3 +152,37 @@ def test_parallel_runs_give_the_one_process_tokens(v4_case, parallel):
     picked = [0, 2, 5, 7]
     with LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=64, **parallel) as llm:
         assert run(llm, [prompts[i] for i in picked]) == [expected[i] for i in picked]
+
+
+@pytest.mark.parametrize("v4_case", ["first"], indirect=True)
+def test_served_through_the_openai_api_and_bench_serve(v4_case, tmp_path):
+    import json
+    import os
+
+    import openai
+
+    import rackserve.bench.serve_bench  # noqa: F401  (registers `bench serve`)
+    from rackserve.serve.cli import main
+    from tests.server_utils import start_server
+    model_dir, prompts, expected = v4_case
+    proc, url = start_server(["--model", model_dir, "--served-model-name", "tiny-v4", "--device", "cpu",
+                              "--dtype", "float32", "--max-model-len", "1024"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+        for i in (1, 7):
+            out = client.completions.create(model="tiny-v4", prompt=prompts[i], max_tokens=NUM_TOKENS,
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == tokenizer.decode(expected[i])
+        trace = os.path.join(os.path.dirname(__file__), "data", "weka_tiny.jsonl")
+        code = main(["bench", "serve", "--base-url", url, "--workload", f"trace:{trace}", "--concurrency", "2",
+                     "--duration", "3", "--think-time-cap", "0.2", "--tokenizer", model_dir,
+                     "--output", str(tmp_path / "bench.json"), "--no-progress"])
+        assert code == 0
+        with open(tmp_path / "bench.json") as f:
+            run_ = json.load(f)["runs"][0]
+        assert run_["summary"]["valid"] and run_["requests"]
+        assert all(r["error"] is None and r["output_tokens"] == r["max_tokens"] for r in run_["requests"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
