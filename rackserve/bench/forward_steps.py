@@ -185,8 +185,10 @@ def _layer_kind(leaf: str, module) -> str | None:
     if isinstance(module, RMSNorm):
         return "norm"
     if leaf in ("self_attn", "attn"):
-        return "attention"
-    if leaf in ("mlp", "moe", "block_sparse_moe"):
+        # Models with several attention kinds (DeepSeek-V4's sliding, CSA, HCA) name each one.
+        kind = getattr(module, "kind", None)
+        return f"attention[{kind}]" if isinstance(kind, str) else "attention"
+    if leaf in ("mlp", "moe", "block_sparse_moe", "ffn"):
         return "mlp/moe"
     return None
 
@@ -218,6 +220,7 @@ class LayerKindProfiler:
             kind = _layer_kind(name.rsplit(".", 1)[-1], module)
             if kind is not None:
                 claimed.append(name)
+                self.seconds.setdefault(kind, 0.0)
                 self.handles += [module.register_forward_pre_hook(self._pre(kind)),
                                  module.register_forward_hook(self._post(kind))]
 
