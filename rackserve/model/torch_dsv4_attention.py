@@ -7,7 +7,7 @@ values from the cache, so a group may span steps, chunks and prefix hits) and wr
 normed, roped entry at that last token's slot; then attend, one request at a time, each query to
 its window and to the entries it may see (entry g is visible to position t iff g < (t + 1) //
 ratio): all of them on HCA layers, the indexer's top index_topk on CSA layers, with a per-head sink
-in the softmax. Indexer ties are broken toward the earlier entry (a stable sort), so a prefill and
+in the softmax. Single-token queries (decodes) attend together, their contexts padded and masked. Indexer ties are broken toward the earlier entry (a stable sort), so a prefill and
 a decode choose alike when ReLU zeroes several scores. This file must never allocate the cache or
 decide what runs.
 """
@@ -31,10 +31,24 @@ class Span:
 
 
 @dataclass
+class Decodes:
+    """The step's single-token queries, attended together."""
+    rows: torch.Tensor          # [D] their batch rows
+    positions: torch.Tensor     # [D]
+    tables: torch.Tensor        # [D, max_blocks] their block tables, padded with block 0
+
+    def slots(self, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        """positions [D, L] (negative ones map to a valid slot, to be masked) -> slots [D, L]."""
+        p = positions.clamp(min=0)
+        return self.tables.gather(1, p // block_size) * block_size + p % block_size
+
+
+@dataclass
 class DSV4Metadata:
-    spans: list[Span]
+    spans: list[Span]           # every request (groups close in decodes too)
     slot_mapping: torch.Tensor
     block_size: int
+    decodes: Decodes | None
 
     def slots(self, span: Span, positions: torch.Tensor) -> torch.Tensor:
         return span.table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -51,10 +65,20 @@ class TorchDSV4Backend:
     @staticmethod
     def build_metadata(common: CommonAttentionMetadata, device: torch.device) -> DSV4Metadata:
         spans, start = [], 0
+        rows, positions, tables = [], [], []
         for n, ctx, table in zip(common.query_lens, common.context_lens, common.block_tables):
             spans.append(Span(start, start + n, ctx, torch.tensor(table, dtype=torch.long, device=device)))
+            if n == 1:
+                rows.append(start)
+                positions.append(ctx)
+                tables.append(table)
             start += n
-        return DSV4Metadata(spans, common.slot_mapping, common.block_size)
+        decodes = None
+        if rows:
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            decodes = Decodes(*(torch.tensor(v, dtype=torch.long, device=device) for v in (rows, positions, padded)))
+        return DSV4Metadata(spans, common.slot_mapping, common.block_size, decodes)
 
     def forward(self, layer: DeepseekV4Attention, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor,
                 q_residual: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
@@ -81,7 +105,10 @@ class TorchDSV4Backend:
             index = (iq, iw)
         out = torch.empty_like(q)
         for span in m.spans:
-            out[span.start:span.end] = self._attend(layer, q[span.start:span.end], flat, m, span, index)
+            if span.end - span.start > 1:
+                out[span.start:span.end] = self._attend(layer, q[span.start:span.end], flat, m, span, index)
+        if m.decodes is not None:
+            out[m.decodes.rows] = self._attend_decodes(layer, q, flat, m, index)
         return out
 
     @staticmethod
@@ -167,3 +194,36 @@ class TorchDSV4Backend:
         scores = scores.masked_fill(~closed, float("-inf"))
         top = topk_earliest(scores, min(ix.topk, scores.shape[1]))
         return torch.zeros_like(closed).scatter_(1, top, True)
+
+    @staticmethod
+    def _attend_decodes(layer: DeepseekV4Attention, q: torch.Tensor, flat: torch.Tensor, m: DSV4Metadata,
+                        index: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """_attend for every single-token query at once, the context padded to the longest."""
+        lay, d, bs, dev = layer.layout, m.decodes, m.block_size, q.device
+        q, pos = q[d.rows], d.positions
+        kpos = pos[:, None] - layer.window + 1 + torch.arange(layer.window, device=dev)           # [D, W]
+        visible = kpos >= 0
+        w0, w1 = lay.range("window")
+        keys = flat[d.slots(kpos, bs), w0:w1]                                                    # [D, W, hd]
+        r = layer.ratio
+        num_groups = int(((pos + 1) // r).max()) if layer.compressor is not None else 0
+        if num_groups > 0:
+            groups = torch.arange(num_groups, device=dev)
+            entry_slots = d.slots((groups * r + r - 1).expand(pos.shape[0], -1), bs)             # [D, G]
+            closed = groups[None, :] < ((pos + 1) // r)[:, None]
+            if index is not None:
+                ix, (iq, iw) = layer.indexer, index
+                i0, i1 = lay.range("index_entry")
+                dots = torch.einsum("dhi,dgi->dhg", iq[d.rows].float(), flat[entry_slots, i0:i1].float())
+                scores = (dots.relu() * ix.head_dim ** -0.5 * iw[d.rows].unsqueeze(-1)).sum(dim=1)
+                top = topk_earliest(scores.masked_fill(~closed, float("-inf")), min(ix.topk, num_groups))
+                closed = closed & torch.zeros_like(closed).scatter_(1, top, True)
+            e0, e1 = lay.range("entry")
+            keys = torch.cat([keys, flat[entry_slots, e0:e1]], dim=1)
+            visible = torch.cat([visible, closed], dim=1)
+        keys = keys.to(q.dtype)
+        scores = torch.einsum("dhk,dlk->dhl", q, keys) * layer.head_dim ** -0.5
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        sinks = layer.attn_sink.to(scores.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("dhl,dlk->dhk", probs.to(keys.dtype), keys)
