@@ -186,3 +186,18 @@ def test_served_through_the_openai_api_and_bench_serve(v4_case, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_legacy_config_keys_of_deepseeks_checkpoints_are_read():
+    # DeepSeek's own config.json spells the layer plan and RoPE the older way (transformers folds
+    # them in at load time; rackserve reads config.json itself).
+    from rackserve.model.dsv4_attention import CSA, HCA, SLIDING, layer_kinds, rope_dim, rope_params
+    legacy = dict(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], qk_rope_head_dim=64, head_dim=512,
+                  rope_theta=10000.0, compress_rope_theta=160000.0,
+                  rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536})
+    assert layer_kinds(legacy) == [SLIDING, CSA, HCA, CSA]
+    assert rope_dim(legacy) == 64
+    assert rope_params(legacy, "main") == {"rope_type": "default", "rope_theta": 10000.0}
+    compress = rope_params(legacy, "compress")
+    assert compress["rope_type"] == "yarn" and compress["rope_theta"] == 160000.0
+    assert compress["attention_factor"] == 1.0       # V4 leaves cos/sin unscaled under YaRN
