@@ -187,7 +187,8 @@ class DeepseekV4Attention(AttentionLayerBase):
         self.norm = RMSNorm(hd, eps)
         self.wo_a = ColumnParallelLinear(heads * hd // groups, groups * d_g, tp=tp,
                                          held=[Held(groups * d_g, first_group * d_g, self.o_groups * d_g)])
-        self.wo_b = RowParallelLinear(groups * d_g, hidden, False, tp, input_held=(first_group * d_g, self.o_groups * d_g))
+        self.wo_b = RowParallelLinear(groups * d_g, hidden, False, tp,
+                                      input_held=(first_group * d_g, self.o_groups * d_g))
         self.attn_sink = _param(self.num_heads)
         self.attn_sink.weight_loader = lambda p, loaded: default_weight_loader(p, loaded.narrow(0, first_head,
                                                                                               self.num_heads))

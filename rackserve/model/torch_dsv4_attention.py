@@ -7,8 +7,9 @@ values from the cache, so a group may span steps, chunks and prefix hits) and wr
 normed, roped entry at that last token's slot; then attend, one request at a time, each query to
 its window and to the entries it may see (entry g is visible to position t iff g < (t + 1) //
 ratio): all of them on HCA layers, the indexer's top index_topk on CSA layers, with a per-head sink
-in the softmax. Single-token queries (decodes) attend together, their contexts padded and masked. Indexer ties are broken toward the earlier entry (a stable sort), so a prefill and
-a decode choose alike when ReLU zeroes several scores. This file must never allocate the cache or
+in the softmax. Single-token queries (decodes) attend together, their contexts padded and masked.
+Indexer ties are broken toward the earlier entry (a stable sort), so a prefill and a decode choose
+alike when ReLU zeroes several scores. This file must never allocate the cache or
 decide what runs.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ from torch import nn
 from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.dsv4_attention import DeepseekV4Attention, layer_kinds
 from rackserve.model.layers import (SINGLE, LMHead, MergedLinear, RMSNorm, RowParallelLinear, VocabEmbedding,
-                                    _param, default_weight_loader, split_evenly)
+                                    default_weight_loader, split_evenly)
 from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.moe import FusedMoE, TorchMoEBackend
 from rackserve.model.router import Routing, topk_lowest_first
@@ -53,8 +53,8 @@ class ClampedSwiGLUMoEBackend(TorchMoEBackend):
         return clamped_swiglu(gate_up, self.limit)
 
 
-def hc_param(*shape: int) -> nn.Parameter:
-    # mHC weights stay float32 whatever the model's dtype, as in transformers.
+def fp32_param(*shape: int) -> nn.Parameter:
+    # mHC and router weights stay float32 whatever the model's dtype, as in transformers.
     p = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
     p.weight_loader = default_weight_loader
     return p
@@ -72,7 +72,8 @@ class HyperConnection(nn.Module):
         hc = self.hc = config.get("hc_mult", 4)
         self.iters, self.eps = config.get("hc_sinkhorn_iters", 20), config.get("hc_eps", 1e-6)
         self.norm_eps = config.get("rms_norm_eps", 1e-6)
-        self.fn, self.base, self.scale = hc_param((2 + hc) * hc, hc * config["hidden_size"]), hc_param((2 + hc) * hc), hc_param(3)
+        self.fn = fp32_param((2 + hc) * hc, hc * config["hidden_size"])
+        self.base, self.scale = fp32_param((2 + hc) * hc), fp32_param(3)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, D] -> post [T, hc], comb [T, hc, hc], the collapsed input [T, D]."""
@@ -82,7 +83,8 @@ class HyperConnection(nn.Module):
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(comb_w.shape[0], hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.eps
+        comb_w = comb_w.view(comb_w.shape[0], hc, hc)      # sizes spelled out: zero tokens cannot infer a -1
+        comb = torch.softmax(comb_w * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
@@ -105,13 +107,13 @@ class DeepseekV4Gate(nn.Module):
         e, self.top_k = config["n_routed_experts"], config["num_experts_per_tok"]
         self.scale = float(config.get("routed_scaling_factor", 1.0))
         assert config.get("scoring_func", "sqrtsoftplus") == "sqrtsoftplus", f"scoring {config.get('scoring_func')}"
-        self.weight = hc_param(e, config["hidden_size"])
+        self.weight = fp32_param(e, config["hidden_size"])
         if hashed:
             self.tid2eid = nn.Parameter(torch.empty(config["vocab_size"], self.top_k, dtype=torch.long),
                                         requires_grad=False)
             self.tid2eid.weight_loader = default_weight_loader
         else:
-            self.bias = hc_param(e)
+            self.bias = fp32_param(e)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> Routing:
         scores = F.softplus(F.linear(x.float(), self.weight)).sqrt()
@@ -140,7 +142,8 @@ class SharedExperts(nn.Module):
 class DeepseekV4MoE(nn.Module):
     def __init__(self, config: dict[str, Any], hashed: bool, groups: ParallelGroups):
         super().__init__()
-        hidden, inter, limit = config["hidden_size"], config["moe_intermediate_size"], float(config.get("swiglu_limit", 10.0))
+        hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+        limit = float(config.get("swiglu_limit", 10.0))
         self.gate = DeepseekV4Gate(config, hashed)
         self.experts = FusedMoE(config["n_routed_experts"], hidden, inter, groups=groups)
         self.experts.backend = ClampedSwiGLUMoEBackend(limit)
@@ -185,7 +188,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.layers = nn.ModuleList([DeepseekV4DecoderLayer(config, i, attn_backend, groups)
                                      for i in range(config["num_hidden_layers"])])
         self.norm = RMSNorm(hidden, eps)
-        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = hc_param(self.hc, self.hc * hidden), hc_param(self.hc), hc_param(1)
+        self.hc_head_fn = fp32_param(self.hc, self.hc * hidden)
+        self.hc_head_base, self.hc_head_scale = fp32_param(self.hc), fp32_param(1)
         self.head = LMHead(config["vocab_size"], hidden, None, groups.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
