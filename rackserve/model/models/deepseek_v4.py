@@ -12,9 +12,9 @@ their weights from the gate; the others take the top-k of sqrtsoftplus(logits) +
 Checkpoints are read in DeepSeek's own names (what transformers writes: layers.i.attn.wq_a,
 ffn.experts.e.w1, hc_attn_fn, ...), with or without the "model." prefix. FP8/FP4 checkpoints
 (block scales) are refused with a clear error. Under tensor parallelism the attention splits by
-output groups (dsv4_attention.py), the experts as FusedMoE does, the embedding and head by vocabulary,
-and mHC is replicated. This file
-must never touch the KV cache other than through its attention layers.
+output groups (dsv4_attention.py), the experts as FusedMoE does, the embedding and head by
+vocabulary; mHC and the router are replicated. This file must never touch the KV cache other than
+through its attention layers.
 """
 from __future__ import annotations
 
