@@ -114,11 +114,21 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_tokens_match_transformers(v4_case, setting):
     model_dir, prompts, expected = v4_case
+    preemptions = []
+
+    class Count:
+        def record(self, sched_stats, iter_stats):
+            preemptions.append(sched_stats.num_preemptions)
+
     with LLM(model_dir, dtype="float32", device="cpu", **SETTINGS[setting]) as llm:
+        llm.engine.stat_loggers.append(Count())
         assert run(llm, prompts) == expected
         # Again: every prompt now hits the prefix cache (window keys, compressor state and
         # compressed entries alike live in its blocks).
         assert run(llm, prompts) == expected
+        again = llm.generate({"prompt_token_ids": prompts[8]}, SamplingParams(temperature=0.0, max_tokens=1))[0]
+        assert (again.num_cached_tokens > 0) == SETTINGS[setting].get("enable_prefix_caching", True)
+    assert (sum(preemptions) > 0) == (setting == "preempt")
 
 
 def test_indexer_ties_go_to_the_earlier_entry():
