@@ -7,7 +7,6 @@ stop rules (EOS, stop token ids, max_tokens, max_model_len). It must never impor
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from rackserve.sampling_params import SamplingParams
@@ -38,7 +37,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
+    # Seconds on the engine's clock (real or virtual); the engine sets it, core never reads a clock.
+    arrival_time: float = 0.0
     cache_salt: str | None = None       # isolates this request's prefix cache from others
 
     status: RequestStatus = RequestStatus.WAITING

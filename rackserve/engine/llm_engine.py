@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
 from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.request import Request, RequestStatus
 from rackserve.engine.core import EngineCore
+from rackserve.executor.base import Executor
 from rackserve.engine.output_processor import OutputProcessor
 from rackserve.engine.stats import IterationStats, StatLogger
 from rackserve.engine.tokenizer import load_tokenizer
@@ -47,15 +48,20 @@ class PreparedRequest:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = ()):
+    def __init__(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple = (),
+                 executor: Executor | None = None, clock: Callable[[], float] = time.monotonic):
+        """`executor`: any Executor (e.g. create_executor(config, name) from the registry); default:
+        the registry's choice for the config. `clock`: the source of every timestamp (arrivals,
+        token times), real by default, virtual under a simulator."""
         if isinstance(config, EngineArgs):
             config = config.create_engine_config()
         # skip_tokenizer_init: token ids in and out, no text (and so no EOS the engine could know).
         self.tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(config.model.tokenizer)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset()
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, executor)
         self.config = self.core.config
-        self.processor = OutputProcessor(self.tokenizer)
+        self.clock = clock
+        self.processor = OutputProcessor(self.tokenizer, clock)
         self.stat_loggers = list(stat_loggers)
         self.failure: BaseException | None = None   # why the engine is dead, once a step raised
 
@@ -83,7 +89,7 @@ class LLMEngine:
                              f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
                              f"the prompt, {params.max_tokens} in the completion). Please reduce the "
                              "length of the prompt or max_tokens.")
-        return PreparedRequest(request_id, text, token_ids, params, time.monotonic(), cache_salt)
+        return PreparedRequest(request_id, text, token_ids, params, self.clock(), cache_salt)
 
     def add_prepared(self, req: PreparedRequest) -> None:
         self.check_alive()

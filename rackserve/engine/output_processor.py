@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from rackserve.core.outputs import EngineCoreOutput, LogprobsLists
 from rackserve.engine.detokenizer import IncrementalDetokenizer
@@ -52,8 +53,9 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer | None, clock: Callable[[], float] = time.monotonic):
         self.tokenizer = tokenizer
+        self.clock = clock              # the engine's clock: real, or the simulator's virtual one
         self.parents: dict[str, _ParentState] = {}
         self.samples: dict[str, _SampleState] = {}
         self._aborted: list[FinishedRequestStats] = []   # aborts since the last stats report
@@ -78,7 +80,7 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
-        now = time.monotonic()
+        now = self.clock()
         for engine_id in parent.engine_ids:
             sample = self.samples.pop(engine_id, None)
             if sample is not None:
@@ -97,7 +99,7 @@ class OutputProcessor:
         return aborted
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        now = time.monotonic()
+        now = self.clock()
         stats = IterationStats(finished_requests=self._aborted)
         self._aborted = []
         stops: dict[str, str] = {}
