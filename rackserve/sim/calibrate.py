@@ -1,0 +1,113 @@
+"""The `cpu` device: this machine, calibrated by `bench forward`'s measured step times.
+
+Peaks are the machine's limits measured by `bench forward` on the spot (matmul FLOP/s, memory
+read bandwidth); the efficiency factors (dense GEMM, attention math, weight streaming, KV reads)
+and the fixed step and per-sequence overheads are fitted so that the cost model's step times match the measured
+median step times (least squares on log time, a coordinate search: six numbers, a few dozen
+points). `python -m rackserve.sim.calibrate FORWARD.json... [--output FILE]` writes the device;
+sim/calibration/cpu.json is the saved one that `--hardware cpu` loads.
+
+It owns the fit; it must never run the model itself (bench forward does) nor import torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Sequence
+
+from rackserve.sim.cost import CostModel, SeqWork
+from rackserve.sim.hardware import Hardware
+from rackserve.sim.model_spec import ModelSpec, load_model_spec
+
+CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
+FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
+
+
+def load_cpu(path: str = CPU_CALIBRATION) -> Hardware:
+    if not os.path.isfile(path):
+        raise ValueError(f"no cpu calibration at {path}: run python -m rackserve.sim.calibrate on bench forward results")
+    with open(path) as f:
+        d = json.load(f)
+    d.pop("measured", None)
+    return Hardware(**d)
+
+
+def forward_points(result: dict) -> list[tuple[list[SeqWork], float]]:
+    """(batch, measured median seconds) of each point of a `bench forward` JSON (side A)."""
+    out = []
+    for p in result["points"]:
+        batch = [SeqWork(p["new_tokens"], p["context_len"], True)] * p["batch_size"]
+        out.append((batch, p["A"]["median_s"]))
+    return out
+
+
+def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str) -> Hardware:
+    return Hardware("cpu", {"fp32": flops, "bf16": flops}, bw, 64e9, bw, bw, 1, link_latency=50e-6,
+                    step_overhead=overheads[0], seq_overhead=overheads[1], overlap=False, efficiency=dict(eff),
+                    source=source)
+
+
+def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], float]]) -> float:
+    model = CostModel(spec, hw)
+    return sum(math.log(model.step([batch]).seconds / t) ** 2 for batch, t in points)
+
+
+def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: float, bw: float,
+        source: str = "") -> Hardware:
+    """The cpu device whose cost model best matches the measured points."""
+    params = {**{k: 0.5 for k in FITTED}, "step_overhead": 0.005, "seq_overhead": 0.001}
+
+    def device(p: dict[str, float]) -> Hardware:
+        return _cpu(flops, bw, {k: p[k] for k in FITTED}, (p["step_overhead"], p["seq_overhead"]), source)
+
+    best = _error(spec, device(params), points)
+    step = 2.0
+    while step > 1.01:
+        improved = False
+        for key in params:
+            for factor in (step, 1 / step):
+                trial_params = dict(params)
+                trial_params[key] *= factor
+                if key in FITTED:
+                    trial_params[key] = min(1.0, trial_params[key])
+                trial = _error(spec, device(trial_params), points)
+                if trial < best - 1e-12:
+                    best, params, improved = trial, trial_params, True
+        if not improved:
+            step = math.sqrt(step)
+    return device(params)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="fit the cpu device to bench forward results")
+    parser.add_argument("results", nargs="+", help="bench forward JSON files (same model, threads and dtype)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the config the forward runs used")
+    parser.add_argument("--output", default=CPU_CALIBRATION)
+    args = parser.parse_args(argv)
+    results = [json.load(open(path)) for path in args.results]
+    spec = load_model_spec(args.model).with_precision("fp32", "fp32")
+    points = [pt for r in results for pt in forward_points(r)]
+    flops = statistics.median(r["limits"]["A"]["matmul_gflops"] for r in results) * 1e9
+    bw = statistics.median(r["limits"]["A"]["mem_read_gbps"] for r in results) * 1e9
+    hw = fit(spec, points, flops, bw, "fitted to " + ", ".join(os.path.basename(p) for p in args.results))
+    model = CostModel(spec, hw)
+    measured = [{"batch_size": len(b), "new_tokens": b[0].new_tokens, "context_len": b[0].context,
+                 "measured_s": t, "simulated_s": model.step([b]).seconds} for b, t in points]
+    for m in measured:
+        print(f"batch {m['batch_size']:3d} x {m['new_tokens']:4d} new after {m['context_len']:5d}: measured "
+              f"{m['measured_s'] * 1e3:7.1f} ms, model {m['simulated_s'] * 1e3:7.1f} ms "
+              f"({m['simulated_s'] / m['measured_s'] - 1:+.0%})")
+    print("efficiency", {k: round(v, 3) for k, v in hw.efficiency.items()}, f"overhead {hw.step_overhead * 1e3:.1f} ms "
+          f"a step + {hw.seq_overhead * 1e3:.2f} ms a sequence")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({**hw.to_json(), "measured": measured}, f, indent=1)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

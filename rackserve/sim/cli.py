@@ -1,0 +1,114 @@
+"""`rackserve sim`: `bench serve` on paper. The same workloads, closed-loop lanes, think times,
+warm-ups, validity rules, metrics and JSON (so `bench plot` draws simulated and measured curves
+together), played in virtual time against simulated instances: the real EngineCore, Scheduler and
+KV cache manager over a SimExecutor whose steps a hardware cost model prices.
+
+This file owns the command's flags and the result's "sim" section; it must never compute a metric
+(bench/metrics.py does) nor price a step (cost.py does).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from rackserve.serve.cli import register_subcommand
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default="smollm2-135m-instruct", help="a config.json, an HF directory, or an alias of sim/configs")
+    a("--hardware", default="cpu", help="H100, H200, B200, GB200, GB300, MI355X, VR200, cpu (this machine's "
+      "calibration) or a JSON file")
+    a("--quantization", default=None, help="weight precision override: bf16, fp8, fp4")
+    a("--kv-cache-dtype", default=None, help="KV cache precision override: bf16, fp8, fp4 (fp32 for cpu)")
+    a("--tensor-parallel-size", type=int, default=1)
+    a("--data-parallel-size", type=int, default=1)
+    a("--enable-expert-parallel", action="store_true")
+    a("--expert-skew", type=float, default=0.0, help="Zipf exponent of expert popularity (0: uniform gate)")
+    a("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step")
+    a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
+    a("--instances", type=int, default=1, help="engine instances behind the router")
+    a("--router-policy", default="least_load", help="round_robin or least_load")
+    a("--max-num-seqs", type=int, default=64)
+    a("--max-num-batched-tokens", type=int, default=512)
+    a("--max-model-len", type=int, default=None)
+    a("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache per device")
+    a("--num-gpu-blocks-override", type=int, default=None)
+    a("--block-size", type=int, default=16)
+    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    a("--workload", default="agentx", help="agentx, random, or trace:FILE")
+    a("--concurrency", default="1,2,4,8", help="comma-separated lane counts, one run each")
+    a("--duration", type=float, default=60.0, help="virtual seconds during which requests start, per run")
+    a("--seed", type=int, default=0)
+    a("--scale", type=float, default=None)
+    a("--output-scale", type=float, default=None)
+    a("--think-time-cap", type=float, default=5.0)
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=128)
+    a("--label", default=None)
+    a("--output", default=None, help="write the runs as `bench serve` does")
+    a("--plot", default=None)
+
+
+@register_subcommand("sim", "simulate bench serve on a hardware cost model, in virtual time", add_args)
+def run(args: argparse.Namespace) -> int:
+    from rackserve.bench.serve_bench import _finite, summary_table
+    from rich.console import Console
+    console = Console()
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        if min(levels) < 1 or args.duration <= 0 or args.instances < 1:
+            raise ValueError("concurrency levels, duration and instances must be positive")
+        result = simulate(args, levels)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"rackserve sim: {e}", file=sys.stderr)
+        return 2
+    for run_ in result["runs"]:
+        console.print(summary_table(_summary(run_["summary"])))
+        sim = run_["sim"]
+        console.print(f"  simulated {sim['virtual_seconds']:.1f} s in {sim['wall_seconds']:.1f} s of wall time "
+                      f"({sim['speedup']:.0f}x); {sim['steps']} steps, DP idle {sim['dp_idle_share']:.1%}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(_finite(result), f, indent=1)
+        print(f"wrote {args.output}")
+    if args.plot:
+        from rackserve.bench.plot import plot_results
+        plot_results([result], args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(r["summary"]["valid"] for r in result["runs"]) else 3
+
+
+def _summary(d: dict):
+    from rackserve.bench.metrics import Percentiles, RunSummary
+    d = dict(d)
+    for k in ("ttft", "itl", "e2el"):
+        d[k] = Percentiles(**d[k])
+    return RunSummary(**d)
+
+
+def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
+    """Every level; the JSON-ready result, laid out as `bench serve`'s."""
+    from rackserve.bench.token_text import PromptRenderer, default_vocabulary
+    from rackserve.bench.workload import WorkloadOptions, make_workload
+    from rackserve.sim.hardware import load_hardware
+    from rackserve.sim.instance import SimSetup
+    setup = SimSetup.from_args(args, load_hardware(args.hardware))
+    workload = make_workload(args.workload, WorkloadOptions(
+        seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=setup.max_model_len,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len))
+    renderer = PromptRenderer(default_vocabulary(), args.seed)
+    devices = setup.devices
+    result = {"label": args.label or f"sim {args.model} on {args.hardware}", "base_url": None, "model": args.model,
+              "workload": args.workload, "scale": workload.scale, "output_scale": workload.output_scale,
+              "seed": args.seed, "devices": devices, "duration": args.duration, "think_time_cap": args.think_time_cap,
+              "max_context": setup.max_model_len, "eos": "ignore_eos", "vocabulary": "one word per token",
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv,
+              "workload_stats": dataclasses.asdict(workload.describe()), "sim": setup.describe(), "runs": []}
+    for concurrency in levels:
+        result["runs"].append(setup.run_level(workload, renderer, concurrency, args.duration, args.think_time_cap,
+                                              args.seed))
+    return result

@@ -1,0 +1,182 @@
+"""The per-step cost model: FLOPs and bytes of one engine step for the exact batch the scheduler
+produced (each sequence's new tokens and the context before them), split by operation class
+(dense linears, attention, routed experts, communication), and the step time on a device.
+
+time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)); a step is the
+sum of its classes plus the device's fixed step overhead. Parallel shapes: tensor parallelism
+splits linears and heads (two all-reduces per layer); expert parallelism spreads the routed
+experts over all ranks of the instance (all-to-all dispatch and combine per MoE layer), each
+rank's expert work counted from a simulated token-to-expert draw (a Zipf skew parameter), the
+busiest rank setting the pace; data-parallel ranks step in lockstep, so a step lasts as long as
+the slowest rank. This file owns that arithmetic; it must never schedule nor read a clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from rackserve.sim.efficiency import efficiency
+from rackserve.sim.hardware import Hardware
+from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec
+
+ACT_BYTES = 2.0                 # bf16 activations on the wire (combine); dispatch is sent in fp8
+DISPATCH_BYTES = 1.0
+
+
+class SeqWork(NamedTuple):
+    """One scheduled sequence: `new_tokens` computed after `context` cached ones."""
+    new_tokens: int
+    context: int
+    samples: bool = True        # whether it samples a token this step (its prompt is done)
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_skew: float = 0.0    # Zipf exponent of expert popularity (0: uniform routing)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class OpCost:
+    flops: float = 0.0
+    bytes: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass
+class RankCost:
+    """One DP rank's (one TP group's, per device) share of a step."""
+    dense: OpCost = field(default_factory=OpCost)
+    attention: OpCost = field(default_factory=OpCost)
+    moe: OpCost = field(default_factory=OpCost)
+    comm_seconds: float = 0.0
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.dense.seconds + self.attention.seconds + self.moe.seconds
+
+
+class StepCost(NamedTuple):
+    seconds: float              # the step, as every DP rank sees it (lockstep)
+    ranks: list[RankCost]
+
+
+class CostModel:
+    def __init__(self, spec: ModelSpec, hardware: Hardware, shape: ParallelShape = ParallelShape(), seed: int = 0):
+        self.spec, self.hw, self.shape = spec, hardware, shape
+        self.rng = np.random.default_rng(seed)
+        e = spec.num_experts
+        weights = np.arange(1, e + 1, dtype=float) ** -shape.expert_skew if e else np.zeros(0)
+        self.expert_p = weights / weights.sum() if e else weights
+        self.rng.shuffle(self.expert_p)   # popular experts land on any rank
+
+    # -- op classes ---------------------------------------------------------------------------------
+    def _time(self, op: OpCost, flops_class: str, precision: str, mem_class: str = "mem_bw") -> OpCost:
+        eff = self.hw.efficiency
+        compute = op.flops / (self.hw.peak_flops(precision) * efficiency(flops_class, eff))
+        memory = op.bytes / (self.hw.mem_bw * efficiency(mem_class, eff))
+        op.seconds = max(compute, memory) if self.hw.overlap else compute + memory
+        return op
+
+    def _dense(self, batch: list[SeqWork]) -> OpCost:
+        s, tp = self.spec, self.shape.tensor_parallel_size
+        tokens = sum(w.new_tokens for w in batch)
+        sampled = sum(1 for w in batch if w.samples)
+        wbytes = PRECISION_BYTES[s.weight_precision]
+        params = s.dense_params_per_token + (s.lm_head_params if sampled else 0)
+        flops = 2 * s.dense_params_per_token * tokens + 2 * s.lm_head_params * sampled
+        return self._time(OpCost(flops / tp, params * wbytes / tp), "gemm_flops", s.weight_precision)
+
+    def _attention(self, batch: list[SeqWork]) -> OpCost:
+        s, tp = self.spec, self.shape.tensor_parallel_size
+        flops = read = 0.0
+        for w in batch:
+            mid, end = w.context + (w.new_tokens + 1) / 2, w.context + w.new_tokens
+            for kind in s.attention:
+                # Causal: the queries see on average the keys at their middle position.
+                flops += kind.count * w.new_tokens * (kind.keys(mid) * s.attn_flops_per_key
+                                                      + kind.index_entries(mid) * kind.index_flops_per_entry)
+                read += kind.count * (kind.keys(end) * s.entry_bytes + kind.index_entries(end) * kind.index_bytes_per_entry)
+        written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(max(1, max((w.context for w in batch), default=1)))
+        kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
+        return self._time(OpCost(flops / tp, (read + written) / kv_split), "attn_flops", "bf16", "attn_mem_bw")
+
+    def _expert_loads(self, tokens: int) -> np.ndarray:
+        """Tokens routed to each expert in one MoE layer, for `tokens` tokens (top-k distinct each,
+        approximated by k independent draws)."""
+        s = self.spec
+        return self.rng.multinomial(tokens * s.experts_per_token, self.expert_p)
+
+    def _moe(self, loads: np.ndarray, experts: slice, tp_split: int) -> OpCost:
+        s = self.spec
+        mine = loads[experts]
+        flops = 2 * s.expert_params * int(mine.sum()) * s.num_moe_layers
+        read = s.expert_params * int((mine > 0).sum()) * PRECISION_BYTES[s.expert_precision] * s.num_moe_layers
+        return self._time(OpCost(flops / tp_split, read / tp_split), "moe_flops", s.expert_precision)
+
+    # -- communication ------------------------------------------------------------------------------
+    def _link(self, group: int) -> float:
+        bw = self.hw.scale_up_bw if group <= self.hw.domain_size else self.hw.scale_out_bw
+        return bw * efficiency("link_bw", self.hw.efficiency)
+
+    def _all_reduce(self, tokens: int) -> float:
+        tp = self.shape.tensor_parallel_size
+        if tp == 1 or tokens == 0:
+            return 0.0
+        nbytes = tokens * self.spec.hidden_size * ACT_BYTES
+        per = 2 * (tp - 1) / tp * nbytes / self._link(tp) + 2 * (tp - 1) * self.hw.link_latency
+        return 2 * self.spec.num_layers * per
+
+    def _all_to_all(self, tokens: int) -> float:
+        world = self.shape.world_size
+        if world == 1 or not self.spec.num_experts or not self.shape.enable_expert_parallel:
+            return 0.0
+        remote = (world - 1) / world * tokens * self.spec.experts_per_token * self.spec.hidden_size
+        per = remote * (DISPATCH_BYTES + ACT_BYTES) / self._link(world) + 2 * self.hw.link_latency
+        return self.spec.num_moe_layers * per
+
+    # -- a step -------------------------------------------------------------------------------------
+    def step(self, batches: list[list[SeqWork]]) -> StepCost:
+        """The step of every DP rank (batches[d] is DP rank d's batch; empty when idle)."""
+        shape, s = self.shape, self.spec
+        assert len(batches) == shape.data_parallel_size, "one batch per DP rank"
+        tp = shape.tensor_parallel_size
+        ranks = []
+        tokens = [sum(w.new_tokens for w in b) for b in batches]
+        for batch, n in zip(batches, tokens):
+            rank = RankCost(self._dense(batch), self._attention(batch)) if batch else RankCost()
+            rank.comm_seconds = self._all_reduce(n)
+            ranks.append(rank)
+        if s.num_experts and shape.enable_expert_parallel:
+            # Experts over every device of the instance; each DP rank's devices hold tp of them.
+            loads = self._expert_loads(sum(tokens))
+            per_device = -(-s.num_experts // shape.world_size)
+            a2a = self._all_to_all(max(tokens))
+            for d, rank in enumerate(ranks):
+                devices = [self._moe(loads, slice(r * per_device, (r + 1) * per_device), 1)
+                           for r in range(d * tp, (d + 1) * tp)]
+                rank.moe = max(devices, key=lambda c: c.seconds)
+                rank.comm_seconds += a2a
+        elif s.num_experts:
+            for rank, n in zip(ranks, tokens):
+                if n:
+                    rank.moe = self._moe(self._expert_loads(n), slice(None), tp)
+        if not any(tokens):
+            return StepCost(0.0, ranks)
+        # Lockstep: under EP every MoE layer waits for the slowest rank's attention and the
+        # busiest rank's experts; without it the DP ranks still step together.
+        if s.num_experts and shape.enable_expert_parallel:
+            seconds = (max(r.dense.seconds + r.attention.seconds for r in ranks) + max(r.moe.seconds for r in ranks)
+                       + max(r.comm_seconds for r in ranks))
+        else:
+            seconds = max(r.busy_seconds + r.comm_seconds for r in ranks)
+        sequences = max(len(b) for b in batches)
+        return StepCost(seconds + self.hw.step_overhead + sequences * self.hw.seq_overhead, ranks)

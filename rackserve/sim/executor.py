@@ -1,0 +1,125 @@
+"""SimExecutor: the executor registered as "sim". It obeys the step contract exactly as the real
+ones do (SchedulerOutput in, ModelRunnerOutput out, one per DP rank in lockstep) but runs no model:
+it keeps each request's progress from the SchedulerOutputs, prices the step with a cost model, and
+samples stand-in tokens (a hash of the request and position: distinct requests never share output
+blocks). `last_step_seconds` is the virtual time the step took; whoever drives the engine advances
+its clock by it.
+
+It sizes the KV cache from --kv-cache-memory and the model's KV bytes per token, as a GPU worker
+would. It must never sleep, read a clock nor import torch.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from rackserve.config import EngineConfig
+from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from rackserve.executor.base import Executor, register_executor
+from rackserve.sim.cost import CostModel, ParallelShape, SeqWork, StepCost
+from rackserve.sim.hardware import GIB, load_hardware
+from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
+
+
+class StepPricer(Protocol):
+    def step(self, batches: list[list[SeqWork]]) -> StepCost: ...
+
+
+@dataclass
+class _ReqState:
+    num_tokens: int             # prompt + outputs known so far
+    num_computed: int
+
+
+def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
+    """KV blocks one DP rank's devices hold in --kv-cache-memory GiB each."""
+    if config.cache.num_gpu_blocks_override is not None:
+        return config.cache.num_gpu_blocks_override
+    tp = config.parallel.tensor_parallel_size
+    context = min(spec.max_model_len, 1 << 17)    # windows and compression amortised at long context
+    per_token = spec.kv_bytes_per_token(context) / min(tp, spec.num_kv_heads)
+    return max(1, int(config.cache.kv_cache_memory_gib * GIB / (per_token * config.cache.block_size)))
+
+
+@register_executor("sim")
+class SimExecutor(Executor):
+    def __init__(self, config: EngineConfig, pricer: StepPricer | None = None, spec: ModelSpec | None = None,
+                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0):
+        """Defaults (as the registry builds it): the model's config.json at config.model.model and
+        this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
+        decode step returns 1 + the accepted draft tokens, and the next step verifies them."""
+        p = config.parallel
+        self.spec = spec or load_model_spec(config.model.model)
+        self.pricer = pricer or CostModel(self.spec, load_hardware("cpu"),
+                                          ParallelShape(p.tensor_parallel_size, p.data_parallel_size,
+                                                        p.enable_expert_parallel), config.model.seed)
+        self.num_speculative_tokens, self.acceptance_rate = num_speculative_tokens, acceptance_rate
+        self.model_max_len = self.spec.max_model_len
+        self.vocab_size = self.spec.vocab_size
+        self.num_kv_blocks = kv_blocks_for(self.spec, config)
+        self._dp = p.data_parallel_size
+        self._reqs: list[dict[str, _ReqState]] = [{} for _ in range(self._dp)]
+        self.last_step_seconds = 0.0
+        self.last_cost: StepCost | None = None
+
+    @property
+    def dp_num_kv_blocks(self) -> list[int]:
+        return [self.num_kv_blocks] * self._dp
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self._dp == 1, "a data-parallel instance steps through execute_dp"
+        return self.execute_dp([scheduler_output])[0]
+
+    def execute_dp(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
+        assert len(scheduler_outputs) == self._dp, "one SchedulerOutput per DP rank"
+        batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
+        cost = self.pricer.step([[w for _, w in batch] for batch in batches])
+        self.last_cost, self.last_step_seconds = cost, cost.seconds
+        outputs = []
+        for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
+            req_ids, sampled = [], []
+            for req_id, work in batch:
+                state = reqs[req_id]
+                state.num_computed += work.new_tokens
+                if work.samples:
+                    tokens = [self._token(req_id, state.num_tokens + i) for i in range(1 + self._accepted(req_id, state))]
+                    state.num_tokens += len(tokens)
+                    req_ids.append(req_id)
+                    sampled.append(tokens)
+            busy = cost.ranks[d].busy_seconds if cost.ranks else None
+            outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy))
+        return outputs
+
+    def _batch(self, reqs: dict[str, _ReqState], so: SchedulerOutput) -> list[tuple[str, SeqWork]]:
+        for req_id in so.finished_req_ids:
+            reqs.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            reqs[new.req_id] = _ReqState(len(new.prompt_token_ids) + len(new.output_token_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            reqs[cached.req_id].num_computed = cached.num_computed_tokens
+        batch = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            state = reqs[req_id]
+            batch.append((req_id, SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens)))
+        return batch
+
+    def _accepted(self, req_id: str, state: _ReqState) -> int:
+        """Draft tokens accepted after this one: each of k drafts survives with the acceptance rate
+        while the ones before it did (drawn from a hash, so reruns agree)."""
+        accepted = 0
+        for i in range(self.num_speculative_tokens):
+            u = zlib.crc32(f"accept/{req_id}/{state.num_tokens}/{i}".encode()) / 2**32
+            if u >= self.acceptance_rate:
+                break
+            accepted += 1
+        return accepted
+
+    def _token(self, req_id: str, position: int) -> int:
+        return zlib.crc32(f"{req_id}/{position}".encode()) % self.vocab_size
+
+    def weight_bytes_per_device(self, tp: int, world: int, expert_parallel: bool) -> float:
+        s = self.spec
+        dense = (s.dense_params_per_token + 2 * s.lm_head_params) * PRECISION_BYTES[s.weight_precision] / tp
+        experts = s.num_moe_layers * s.num_experts * s.expert_params * PRECISION_BYTES[s.expert_precision]
+        return dense + experts / (world if expert_parallel else tp)

@@ -1,0 +1,86 @@
+"""Hardware: one device's published peaks (dense FLOP/s per precision, memory bandwidth and
+capacity, scale-up and scale-out link bandwidth), the table of named devices, and loading a device
+from a JSON file (a saved `cpu` calibration is one).
+
+Peaks are the vendors' dense (not sparse) figures per GPU; links are per direction. What fraction
+of a peak a kernel reaches lives in efficiency.py, never here. This file must never time a step.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+TFLOPS, TBPS, GBPS, GIB = 1e12, 1e12, 1e9, 1 << 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: dict[str, float]         # dense FLOP/s by compute precision (bf16, fp8, fp4)
+    mem_bw: float                   # bytes/s of device memory
+    mem_capacity: float             # bytes
+    scale_up_bw: float              # bytes/s per direction inside the NVLink (or xGMI) domain
+    scale_out_bw: float             # bytes/s per direction per device across domains (RDMA NIC)
+    domain_size: int                # devices in one scale-up domain
+    link_latency: float = 2e-6      # seconds per collective hop
+    step_overhead: float = 0.0      # seconds per step outside the model (scheduling, launches, sampling)
+    seq_overhead: float = 0.0       # seconds per scheduled sequence per step (metadata, sampling, gathers)
+    # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
+    # core mostly waits for one, then the other (time = their sum).
+    overlap: bool = True
+    efficiency: dict[str, float] = field(default_factory=dict)  # overrides of efficiency.py by op class
+    source: str = ""
+
+    def peak_flops(self, precision: str) -> float:
+        """FLOP/s at `precision`; a precision the device lacks runs at the next wider one."""
+        for p in {"fp4": ("fp4", "fp8", "bf16"), "fp8": ("fp8", "bf16")}.get(precision, ("bf16",)):
+            if p in self.flops:
+                return self.flops[p]
+        return self.flops["fp32"]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _gpu(name: str, bf16: float, fp8: float, fp4: float | None, tbps: float, gb: float, up_gbps: float,
+         out_gbps: float, domain: int, source: str) -> Hardware:
+    flops = {"bf16": bf16 * TFLOPS, "fp8": fp8 * TFLOPS}
+    if fp4:
+        flops["fp4"] = fp4 * TFLOPS
+    # A serving step on a GPU costs ~30 us of launches and bookkeeping beyond its kernels with
+    # CUDA graphs (vLLM's own profiles); efficiency.py holds the per-op fractions.
+    return Hardware(name, flops, tbps * TBPS, gb * 1e9, up_gbps * GBPS, out_gbps * GBPS, domain,
+                    step_overhead=30e-6, source=source)
+
+
+# Vendors' datasheets (dense, per GPU). Links: NVLink 4 900 GB/s and NVLink 5 1.8 TB/s are
+# bidirectional totals, halved here; NICs are 400 Gb/s (ConnectX-7) or 800 Gb/s (ConnectX-8).
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    _gpu("H100", 989, 1979, None, 3.35, 80, 450, 50, 8, "NVIDIA H100 SXM datasheet"),
+    _gpu("H200", 989, 1979, None, 4.8, 141, 450, 50, 8, "NVIDIA H200 SXM datasheet"),
+    _gpu("B200", 2250, 4500, 9000, 8.0, 180, 900, 50, 8, "NVIDIA HGX B200 datasheet"),
+    _gpu("GB200", 2500, 5000, 10000, 8.0, 186, 900, 50, 72, "NVIDIA GB200 NVL72 datasheet, per GPU"),
+    _gpu("GB300", 2500, 5000, 15000, 8.0, 288, 900, 100, 72, "NVIDIA GB300 NVL72 datasheet, per GPU"),
+    _gpu("MI355X", 2500, 5000, 10000, 8.0, 288, 538, 50, 8, "AMD Instinct MI355X datasheet (7 xGMI links, 1075 GB/s)"),
+    # The seeds' ratios to GB200: 5x NVFP4, ~2.4x HBM bandwidth, 1.7x NVLink; 288 GB HBM4.
+    # BF16/FP8 are not in the seeds: scaled from GB200 by the FP8 ratio NVIDIA announced (3.5x).
+    _gpu("VR200", 8750, 17500, 50000, 19.2, 288, 1530, 100, 72,
+         "Vera Rubin NVL72 per GPU: FP4, HBM and NVLink from the seeds' ratios to GB200; BF16/FP8 estimated"),
+)}
+
+
+def load_hardware(name_or_file: str) -> Hardware:
+    """A device of the table, `cpu` (the saved calibration of this machine), or a JSON file."""
+    if name_or_file in HARDWARE:
+        return HARDWARE[name_or_file]
+    if name_or_file == "cpu":
+        from rackserve.sim.calibrate import load_cpu
+        return load_cpu()
+    if not os.path.isfile(name_or_file):
+        raise ValueError(f"hardware {name_or_file!r} is neither a known device ({', '.join(HARDWARE)}, cpu) "
+                         "nor a JSON file")
+    with open(name_or_file) as f:
+        d = json.load(f)
+    d.pop("measured", None)
+    return Hardware(**d)

@@ -1,0 +1,127 @@
+"""The simulator's cost model: parameter, FLOP and byte counts against hand counts and against
+bench forward's count of the real (meta-device) model; monotonic in batch and context; TP/EP
+communication that vanishes at size 1; DP lockstep."""
+from __future__ import annotations
+
+import pytest
+
+from rackserve.config import ModelConfig
+from rackserve.sim.cost import CostModel, ParallelShape, SeqWork
+from rackserve.sim.hardware import HARDWARE, load_hardware
+from rackserve.sim.model_spec import load_model_spec, model_aliases
+
+GB300 = HARDWARE["GB300"]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_v3_dir"])
+def test_counts_match_bench_forwards_count_of_the_real_model(request, fixture):
+    from rackserve.bench.forward_steps import model_cost
+    path = request.getfixturevalue(fixture)
+    real = model_cost(ModelConfig(path, path, path, "float32", "cpu", None, 0))
+    spec = load_model_spec(path)
+    router = spec.num_moe_layers * spec.hidden_size * spec.num_experts   # a gate, not a Linear, in the model
+    assert spec.dense_params_per_token - router == real.linear_params
+    assert spec.num_moe_layers * spec.num_experts * spec.expert_params == real.expert_params
+    assert (spec.num_experts, spec.experts_per_token) == (real.num_experts, real.experts_per_token)
+    assert spec.lm_head_params == real.lm_head_params
+    assert spec.with_precision(kv="fp32").kv_bytes_per_token() == real.kv_bytes_per_token
+
+
+def test_dense_step_flops_and_bytes_by_hand():
+    """SmolLM2-135M: 30 layers of q, o (576x576), k, v (576x192), gate/up/down (576x1536), tied head."""
+    spec = load_model_spec("smollm2-135m-instruct")
+    per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert spec.dense_params_per_token == 30 * per_layer == 106_168_320
+    assert spec.lm_head_params == 576 * 49152
+    model = CostModel(spec, GB300)
+    # Two decodes after 100 cached tokens: each query sees 101 keys; bf16 weights read once.
+    dense, attn = model._dense([SeqWork(1, 100)] * 2), model._attention([SeqWork(1, 100)] * 2)
+    assert dense.flops == 2 * 2 * (106_168_320 + 576 * 49152)
+    assert dense.bytes == 2 * (106_168_320 + 576 * 49152)
+    kv_token = 30 * 2 * 3 * 64 * 2       # K and V, 3 KV heads of 64, bf16
+    assert attn.flops == 2 * 101 * 30 * 4 * 9 * 64
+    assert attn.bytes == 2 * 101 * kv_token + 2 * kv_token   # read the context, write the new token
+
+
+def test_moe_mla_counts_by_hand():
+    """DeepSeek-V3: 671B parameters with the embedding (0.93B), 8 of 256 experts of 3 x 7168 x 2048
+    in 58 MoE layers; MLA caches 512 + 64 values per token per layer."""
+    spec = load_model_spec("deepseek-v3")
+    assert spec.expert_params == 3 * 7168 * 2048 and spec.num_moe_layers == 58
+    assert abs(spec.total_params + 7168 * 129280 - 671e9) / 671e9 < 0.005
+    assert spec.kv_bytes_per_token() == 61 * 576 * 2
+    model = CostModel(spec, GB300)
+    # One token: k experts of every MoE layer, each read whole (fp8) and multiplied once.
+    moe = model._moe(model._expert_loads(1), slice(None), 1)
+    assert moe.flops == 2 * 8 * spec.expert_params * 58
+    assert moe.bytes == 8 * spec.expert_params * 58 * 1.0
+
+
+@pytest.mark.parametrize("alias", model_aliases())
+def test_step_time_grows_with_batch_and_context(alias):
+    spec = load_model_spec(alias)
+
+    def step(batch: list[SeqWork]) -> float:
+        # A fresh model per point: equal token counts draw the same expert loads.
+        return CostModel(spec, GB300, ParallelShape(8, 1, True), seed=0).step([batch]).seconds
+
+    last = 0.0
+    for batch in (1, 8, 64, 256):
+        t = step([SeqWork(1, 4096)] * batch)
+        assert t >= last
+        last = t
+    last = 0.0
+    for context in (0, 1024, 16384, 131072):
+        t = step([SeqWork(1, context)] * 32)
+        assert t >= last
+        last = t
+
+
+def test_communication_vanishes_at_size_one_and_not_above():
+    spec = load_model_spec("qwen3-30b-a3b")
+    batch = [SeqWork(1, 1000)] * 16
+    one = CostModel(spec, GB300, ParallelShape(1, 1, True)).step([batch])
+    assert one.ranks[0].comm_seconds == 0.0
+    tp2 = CostModel(spec, GB300, ParallelShape(2, 1, False)).step([batch])
+    assert tp2.ranks[0].comm_seconds > 0.0
+    ep2 = CostModel(spec, GB300, ParallelShape(1, 2, True)).step([batch, batch])
+    assert all(r.comm_seconds > 0.0 for r in ep2.ranks)
+    # Tensor parallelism halves each device's dense work.
+    assert tp2.ranks[0].dense.flops == pytest.approx(one.ranks[0].dense.flops / 2)
+
+
+def test_dp_ranks_step_in_lockstep_at_the_slowest_ranks_pace():
+    spec = load_model_spec("deepseek-v4-flash")
+    model = CostModel(spec, GB300, ParallelShape(1, 2, True))
+    busy, idle = [SeqWork(1, 8192)] * 64, [SeqWork(1, 8192)] * 4
+    step = model.step([busy, idle])
+    assert step.ranks[0].busy_seconds > step.ranks[1].busy_seconds
+    assert step.seconds >= max(r.busy_seconds for r in step.ranks)
+
+
+def test_skewed_gate_loads_the_busiest_expert_rank_more():
+    spec = load_model_spec("deepseek-v4-flash")
+    batch = [SeqWork(1, 8192)] * 256
+    uniform = CostModel(spec, GB300, ParallelShape(1, 8, True, 0.0), seed=1).step([batch] * 8)
+    skewed = CostModel(spec, GB300, ParallelShape(1, 8, True, 1.2), seed=1).step([batch] * 8)
+    assert max(r.moe.flops for r in skewed.ranks) > max(r.moe.flops for r in uniform.ranks)
+
+
+def test_every_device_and_the_cpu_calibration_load():
+    for name in (*HARDWARE, "cpu"):
+        hw = load_hardware(name)
+        assert hw.mem_bw > 0 and hw.peak_flops("bf16") > 0
+    assert HARDWARE["GB300"].peak_flops("fp4") > HARDWARE["GB300"].peak_flops("fp8")
+    assert HARDWARE["H100"].peak_flops("fp4") == HARDWARE["H100"].peak_flops("fp8")   # no FP4 units
+    with pytest.raises(ValueError, match="neither a known device"):
+        load_hardware("TPU-v9")
+
+
+def test_precision_overrides_scale_weights_and_kv():
+    spec = load_model_spec("llama-3-8b")
+    fp8 = spec.with_precision("fp8", "fp8")
+    assert fp8.kv_bytes_per_token() == spec.kv_bytes_per_token() / 2
+    model, model8 = CostModel(spec, GB300), CostModel(fp8, GB300)
+    assert model8._dense([SeqWork(1, 10)]).bytes == model._dense([SeqWork(1, 10)]).bytes / 2
+    with pytest.raises(ValueError, match="unknown precision"):
+        spec.with_precision("int3")
