@@ -90,6 +90,12 @@ def _summary(d: dict):
     return RunSummary(**d)
 
 
+def _stats_sessions(workload) -> int:
+    """Sessions behind the workload statistics: bench serve's 500, fewer for full-size sessions
+    (their exact hit-rate accounting costs minutes, not the simulation's seconds)."""
+    return 500 if (workload.scale or 0.0) < 0.05 else 50
+
+
 def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
     """Every level; the JSON-ready result, laid out as `bench serve`'s."""
     from rackserve.bench.token_text import PromptRenderer, default_vocabulary
@@ -107,7 +113,7 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
               "seed": args.seed, "devices": devices, "duration": args.duration, "think_time_cap": args.think_time_cap,
               "max_context": setup.max_model_len, "eos": "ignore_eos", "vocabulary": "one word per token",
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv,
-              "workload_stats": dataclasses.asdict(workload.describe()), "sim": setup.describe(), "runs": []}
+              "workload_stats": dataclasses.asdict(workload.describe(_stats_sessions(workload))), "sim": setup.describe(), "runs": []}
     for concurrency in levels:
         result["runs"].append(setup.run_level(workload, renderer, concurrency, args.duration, args.think_time_cap,
                                               args.seed))

@@ -1,0 +1,55 @@
+"""`rackserve sim`: bench serve's workloads and JSON in virtual time, readable by `bench plot`; data
+parallel instances behind a router; deployments that cannot fit are refused with a reason."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from rackserve.bench.metrics import RunSummary
+from rackserve.bench.plot import plot_results, points
+from rackserve.serve.cli import main
+
+
+def test_sim_writes_bench_serve_json_that_bench_plot_draws(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    rc = main(["sim", "--concurrency", "1,4", "--duration", "20", "--max-model-len", "8192",
+               "--output", str(out), "--plot", str(png)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [r["concurrency"] for r in result["runs"]] == [1, 4]
+    fields = {f.name for f in dataclasses.fields(RunSummary)}
+    for run in result["runs"]:
+        s = run["summary"]
+        assert set(s) == fields and s["valid"] and s["completed"] > 0
+        assert s["throughput_per_device"] > 0 and s["interactivity_p90"] > 0
+        assert 0 < s["hit_rate"] < 1 and s["hit_rate_source"] == "server metrics"
+        assert run["sim"]["virtual_seconds"] >= 20 and run["sim"]["speedup"] > 0
+        assert all(r["kind"] in ("main", "subagent", "warmup") for r in run["requests"])
+    # More lanes: more throughput, less interactivity (the curve's two ends).
+    low, high = (r["summary"] for r in result["runs"])
+    assert high["throughput_per_device"] > low["throughput_per_device"]
+    assert high["interactivity_p90"] < low["interactivity_p90"]
+    assert len(points(result)) == 2 and png.stat().st_size > 0
+    plot_results([result, result], str(tmp_path / "two.png"))
+
+
+def test_data_parallel_instances_behind_a_router(tmp_path):
+    out = tmp_path / "dep.json"
+    rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--data-parallel-size", "2",
+               "--enable-expert-parallel", "--expert-skew", "0.8", "--instances", "2", "--router-policy", "round_robin",
+               "--workload", "random", "--random-input-len", "2000", "--random-output-len", "50",
+               "--kv-cache-memory", "20", "--concurrency", "8", "--duration", "5", "--output", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["devices"] == 4 and result["sim"]["shape"]["data_parallel_size"] == 2
+    run = result["runs"][0]
+    assert run["summary"]["devices"] == 4 and run["summary"]["valid"]
+    assert 0 < run["sim"]["dp_idle_share"] < 1     # lockstep: the less busy DP rank waits
+
+
+def test_a_deployment_that_does_not_fit_is_refused(capsys):
+    rc = main(["sim", "--model", "deepseek-v3", "--hardware", "H100", "--concurrency", "1", "--duration", "1"])
+    assert rc == 2
+    assert "more than H100's 80 GB" in capsys.readouterr().err
+    rc = main(["sim", "--model", "no-such-model", "--concurrency", "1"])
+    assert rc == 2
