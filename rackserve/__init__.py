@@ -1,8 +1,8 @@
 """rackserve: a small, readable LLM serving system.
 
 `from rackserve import LLM, SamplingParams` is the offline API (shaped as vLLM's). The package
-root stays import-light: LLM (and with it torch) loads on first use, so the scheduler, router and
-simulator can import rackserve.core without torch.
+root stays import-light: LLM (and with it torch) loads on first use, so the scheduler and the
+simulator (rackserve.sim), and the router once it exists, can import rackserve.core without torch.
 """
 from rackserve.outputs import CompletionOutput, RequestOutput
 from rackserve.sampling_params import SamplingParams

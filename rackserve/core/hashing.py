@@ -1,5 +1,6 @@
-"""Block hashing: the one scheme by which the prefix cache, KV events, the router's index, the KV
-pool and the benchmarks name a block of tokens, so a hit means the same thing everywhere.
+"""Block hashing: the one scheme by which the prefix cache, the simulator and the benchmarks name
+a block of tokens (and by which KV events, the router's index and the KV pool will, once they
+exist), so a hit means the same thing everywhere.
 
 A block's hash chains its parent's hash, its token ids and optional extra keys (a cache salt), so
 equal hashes mean equal whole prefixes. Hashes are 64-bit ints from BLAKE2b: stable across

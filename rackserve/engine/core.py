@@ -5,7 +5,7 @@ update each scheduler from its own rank's output, once per `step()`.
 A new request goes to one DP rank, chosen by a placement policy (engine/data_parallel.py), and
 stays there: its n samples go with it, and an abort or stop finds it there. It owns token ids
 only: no text, no tokenizer, no HTTP, no threads. The same class runs a real model (executors
-"uniproc", "mp") or a cost model (the simulator's executor).
+"uniproc", "mp") or a cost model (the simulator's executor "sim", rackserve/sim/executor.py).
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 produced (each sequence's new tokens and the context before them), split by operation class
 (dense linears, attention, routed experts, communication), and the step time on a device.
 
-time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)); a step is the
-sum of its classes plus the device's fixed step overhead. Parallel shapes: tensor parallelism
+time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) (their sum on a
+device whose compute and memory traffic do not overlap: the CPU); a step is the sum of its
+classes plus the device's fixed overheads (per step, per layer, per scheduled sequence). Parallel shapes: tensor parallelism
 splits linears and heads (two all-reduces per layer); expert parallelism spreads the routed
 experts over all ranks of the instance (all-to-all dispatch and combine per MoE layer), each
 rank's expert work counted from a simulated token-to-expert draw (a Zipf skew parameter), the
@@ -12,6 +13,7 @@ the slowest rank. This file owns that arithmetic; it must never schedule nor rea
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -79,9 +81,12 @@ class CostModel:
         self.rng.shuffle(self.expert_p)   # popular experts land on any rank
 
     # -- op classes ---------------------------------------------------------------------------------
-    def _time(self, op: OpCost, flops_class: str, precision: str, mem_class: str = "mem_bw") -> OpCost:
+    def _time(self, op: OpCost, flops_class: str, precision: str, mem_class: str = "mem_bw",
+              fp8_flops: float = 0.0) -> OpCost:
+        """`fp8_flops`: the part of op.flops that runs in FP8 whatever `precision` is."""
         eff = self.hw.efficiency
-        compute = op.flops / (self.hw.peak_flops(precision) * efficiency(flops_class, eff))
+        compute = ((op.flops - fp8_flops) / self.hw.peak_flops(precision)
+                   + fp8_flops / self.hw.peak_flops("fp8")) / efficiency(flops_class, eff)
         memory = op.bytes / (self.hw.mem_bw * efficiency(mem_class, eff))
         op.seconds = max(compute, memory) if self.hw.overlap else compute + memory
         return op
@@ -97,17 +102,19 @@ class CostModel:
 
     def _attention(self, batch: list[SeqWork]) -> OpCost:
         s, tp = self.spec, self.shape.tensor_parallel_size
-        flops = read = 0.0
+        flops = index = read = 0.0
         for w in batch:
             mid, end = w.context + (w.new_tokens + 1) / 2, w.context + w.new_tokens
             for kind in s.attention:
                 # Causal: the queries see on average the keys at their middle position.
-                flops += kind.count * w.new_tokens * (kind.keys(mid) * s.attn_flops_per_key
-                                                      + kind.index_entries(mid) * kind.index_flops_per_entry)
+                flops += kind.count * w.new_tokens * kind.keys(mid) * s.attn_flops_per_key
+                index += kind.count * w.new_tokens * kind.index_entries(mid) * kind.index_flops_per_entry
                 read += kind.count * (kind.keys(end) * s.entry_bytes + kind.index_entries(end) * kind.index_bytes_per_entry)
         written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(max(1, max((w.context for w in batch), default=1)))
         kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
-        return self._time(OpCost(flops / tp, (read + written) / kv_split), "attn_flops", "bf16", "attn_mem_bw")
+        # The lightning indexer scores in FP8 (DeepSeek-V3.2 paper, and vLLM's deepseek_v4 indexer).
+        return self._time(OpCost((flops + index) / tp, (read + written) / kv_split), "attn_flops", "bf16",
+                          "attn_mem_bw", fp8_flops=index / tp)
 
     def _expert_loads(self, tokens: int) -> np.ndarray:
         """Tokens routed to each expert in one MoE layer, for `tokens` tokens (top-k distinct each,
@@ -132,7 +139,9 @@ class CostModel:
         if tp == 1 or tokens == 0:
             return 0.0
         nbytes = tokens * self.spec.hidden_size * ACT_BYTES
-        per = 2 * (tp - 1) / tp * nbytes / self._link(tp) + 2 * (tp - 1) * self.hw.link_latency
+        # Ring bandwidth term; latency of a tree / one-shot all-reduce (what NCCL and vLLM's custom
+        # all-reduce use for the small messages of decode): log2(tp) rounds.
+        per = 2 * (tp - 1) / tp * nbytes / self._link(tp) + math.ceil(math.log2(tp)) * self.hw.link_latency
         return 2 * self.spec.num_layers * per
 
     def _all_to_all(self, tokens: int) -> float:
@@ -179,4 +188,5 @@ class CostModel:
         else:
             seconds = max(r.busy_seconds + r.comm_seconds for r in ranks)
         sequences = max(len(b) for b in batches)
-        return StepCost(seconds + self.hw.step_overhead + sequences * self.hw.seq_overhead, ranks)
+        fixed = self.hw.step_overhead + s.num_layers * self.hw.layer_overhead
+        return StepCost(seconds + fixed + sequences * self.hw.seq_overhead, ranks)

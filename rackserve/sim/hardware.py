@@ -26,6 +26,7 @@ class Hardware:
     link_latency: float = 2e-6      # seconds per collective hop
     step_overhead: float = 0.0      # seconds per step outside the model (scheduling, launches, sampling)
     seq_overhead: float = 0.0       # seconds per scheduled sequence per step (metadata, sampling, gathers)
+    layer_overhead: float = 0.0     # seconds per layer per step however small the batch (kernel floors)
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True
@@ -49,9 +50,11 @@ def _gpu(name: str, bf16: float, fp8: float, fp4: float | None, tbps: float, gb:
     if fp4:
         flops["fp4"] = fp4 * TFLOPS
     # A serving step on a GPU costs ~30 us of launches and bookkeeping beyond its kernels with
-    # CUDA graphs (vLLM's own profiles); efficiency.py holds the per-op fractions.
+    # CUDA graphs (vLLM's own profiles). A decode layer is ~10 kernels (norms, projections,
+    # attention, gate, dispatch, experts, combine), each lasting at least ~3 us however little it
+    # does: ~30 us a layer, the floor of small batches. efficiency.py holds the per-op fractions.
     return Hardware(name, flops, tbps * TBPS, gb * 1e9, up_gbps * GBPS, out_gbps * GBPS, domain,
-                    step_overhead=30e-6, source=source)
+                    step_overhead=30e-6, layer_overhead=30e-6, source=source)
 
 
 # Vendors' datasheets (dense, per GPU). Links: NVLink 4 900 GB/s and NVLink 5 1.8 TB/s are

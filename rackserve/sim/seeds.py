@@ -1,0 +1,122 @@
+"""The seeds' step-level figures (reference/published-figures.md) beside the cost model's, with the
+error of each, and a sensitivity table: which hardware or engine parameter moves a projection most.
+
+DeepSeek-V4.1-Flash as the seeds describe it (sim/configs/deepseek-v4.1-flash.json), decoding with
+MTP: nextn=3 drafts verified each step (4 tokens per sequence) at an assumed per-draft acceptance
+of 0.8 (the seeds give none), so a step yields 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens per sequence.
+`python -m rackserve.sim.seeds [--output FILE]`. Closed-loop figures (AgentX curves, prefill
+DEP2 vs DEP4, routing A/B) come from `rackserve sim` runs instead (docs/simulator.md).
+
+This file owns those scenarios; it must never change the cost model to fit them.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from rackserve.sim.cost import CostModel, ParallelShape, SeqWork
+from rackserve.sim.hardware import HARDWARE, Hardware
+from rackserve.sim.model_spec import ModelSpec, load_model_spec
+
+MODEL = "deepseek-v4.1-flash"
+NEXTN, ACCEPTANCE = 3, 0.8
+TOKENS_PER_STEP = sum(ACCEPTANCE ** i for i in range(NEXTN + 1))
+
+
+def _step(spec: ModelSpec, hw: Hardware, tp: int, dp: int, batches: list[list[SeqWork]]):
+    return CostModel(spec, hw, ParallelShape(tp, dp, True), seed=0).step(batches)
+
+
+def decode_batches(dp: int, per_rank: int, context: int) -> list[list[SeqWork]]:
+    return [[SeqWork(NEXTN + 1, context)] * per_rank for _ in range(dp)]
+
+
+def prefill_batches(dp: int, new: int, context: int) -> list[list[SeqWork]]:
+    """One prompt chunk on DP rank 0; the other ranks idle but in the MoE's all-to-all."""
+    return [[SeqWork(new, context)]] + [[] for _ in range(dp - 1)]
+
+
+def figures(spec: ModelSpec) -> list[dict]:
+    gb, vr = HARDWARE["GB300"], HARDWARE["VR200"]
+    rows = []
+
+    def row(name: str, published: float, simulated: float, unit: str, note: str = "") -> None:
+        rows.append({"figure": name, "published": published, "simulated": simulated, "unit": unit,
+                     "error": simulated / published - 1, "note": note})
+
+    dep4 = _step(spec, gb, 1, 4, decode_batches(4, 64, 131072))
+    rank = max(dep4.ranks, key=lambda r: r.busy_seconds)
+    row("GB300 DEP4 decode 128K, 64 req/rank: MoE share of step", 0.62, rank.moe.seconds / dep4.seconds, "share")
+    row("GB300 DEP4 decode 128K, 64 req/rank: attention+indexer share", 0.13,
+        rank.attention.seconds / dep4.seconds, "share")
+    d128 = _step(spec, gb, 1, 32, decode_batches(32, 64, 131072)).seconds
+    d855 = _step(spec, gb, 1, 32, decode_batches(32, 64, 855000)).seconds
+    row("GB300 DEP32 decode step at 128K (64 req/rank assumed)", 8.93e-3, d128, "s")
+    row("GB300 DEP32 decode step at 855K (64 req/rank assumed)", 9.53e-3, d855, "s")
+    row("GB300 DEP32 decode: 855K over 128K", 9.53 / 8.93, d855 / d128, "ratio")
+    p0 = _step(spec, gb, 1, 2, prefill_batches(2, 8192, 0)).seconds
+    p512 = _step(spec, gb, 1, 2, prefill_batches(2, 8192, 524288)).seconds
+    row("GB300 x2 prefill of 8K new tokens, no context", 87.9e-3, p0, "s")
+    row("GB300 x2 prefill of 8K new tokens after 512K cached", 189.4e-3, p512, "s")
+    for hw, published, name in ((gb, 826.0, "GB300 single-user decode (TP8 assumed)"),
+                                (vr, 1810.0, "VR200 batch 1 TP8 decode, P90")):
+        step = _step(spec, hw, 8, 1, decode_batches(1, 1, 131072)).seconds
+        row(name + ", 128K context", published, TOKENS_PER_STEP / step, "tok/s")
+    vr_prefill = _step(spec, vr, 1, 2, prefill_batches(2, 8192, 0)).seconds
+    row("VR200 vs GB300 DEP2 prefill step (28% faster)", 0.72, vr_prefill / p0, "ratio")
+    vr_dep4 = _step(spec, vr, 1, 4, decode_batches(4, 64, 131072)).seconds
+    row("VR200 vs GB300 DEP decode step (25% faster)", 0.75, vr_dep4 / dep4.seconds, "ratio")
+    return rows
+
+
+def sensitivity(spec: ModelSpec) -> list[dict]:
+    """Each parameter doubled alone: the change of a DEP4 decode step (128K, 64 req/rank) and of a
+    DEP2 8K prefill step on GB300."""
+    gb = HARDWARE["GB300"]
+    cases = {"decode": (4, decode_batches(4, 64, 131072)), "prefill": (2, prefill_batches(2, 8192, 0))}
+    base = {k: _step(spec, gb, 1, dp, b).seconds for k, (dp, b) in cases.items()}
+    eff = dict(__import__("rackserve.sim.efficiency", fromlist=["EFFICIENCY"]).EFFICIENCY)
+    variants: dict[str, tuple[ModelSpec, Hardware]] = {
+        "FLOP/s x2": (spec, dataclasses.replace(gb, flops={k: 2 * v for k, v in gb.flops.items()})),
+        "HBM bandwidth x2": (spec, dataclasses.replace(gb, mem_bw=2 * gb.mem_bw)),
+        "NVLink bandwidth x2": (spec, dataclasses.replace(gb, scale_up_bw=2 * gb.scale_up_bw)),
+        "step overhead x2": (spec, dataclasses.replace(gb, step_overhead=2 * gb.step_overhead)),
+        "MoE efficiency x1.5": (spec, dataclasses.replace(gb, efficiency={**eff, "moe_flops": 1.5 * eff["moe_flops"]})),
+        "KV bytes per token x2": (dataclasses.replace(spec, kv_entry_bytes=2 * spec.entry_bytes), gb),
+        "expert weights fp8 (not fp4)": (dataclasses.replace(spec, expert_precision="fp8"), gb),
+        "active experts per token x2": (dataclasses.replace(spec, experts_per_token=2 * spec.experts_per_token), gb),
+    }
+    rows = []
+    for name, (s, hw) in variants.items():
+        row = {"parameter": name}
+        for k, (dp, b) in cases.items():
+            row[k] = _step(s, hw, 1, dp, b).seconds / base[k] - 1
+        rows.append(row)
+    return sorted(rows, key=lambda r: -abs(r["decode"]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the seeds' step-level figures beside the cost model's")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    spec = load_model_spec(MODEL)
+    rows, sens = figures(spec), sensitivity(spec)
+    for r in rows:
+        print(f"{r['figure']:<62} published {r['published']:>10.4g} {r['unit']:<6} sim {r['simulated']:>10.4g}"
+              f"  ({r['error']:+.0%})")
+    print("\nsensitivity (each alone):            decode step   prefill step")
+    for r in sens:
+        print(f"  {r['parameter']:<34} {r['decode']:>+10.1%} {r['prefill']:>+14.1%}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"model": MODEL, "nextn": NEXTN, "acceptance": ACCEPTANCE, "figures": rows,
+                       "sensitivity": sens, "command": "python -m rackserve.sim.seeds --output " + args.output},
+                      f, indent=1)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
