@@ -53,3 +53,21 @@ def test_a_deployment_that_does_not_fit_is_refused(capsys):
     assert "more than H100's 80 GB" in capsys.readouterr().err
     rc = main(["sim", "--model", "no-such-model", "--concurrency", "1"])
     assert rc == 2
+
+
+def test_prefill_decode_disaggregation(tmp_path):
+    """P/D: the first token comes from the prefill pool, the rest from the decode pool after the KV
+    crossed the link; devices count both pools; the hit rate is the prefill pool's."""
+    out = tmp_path / "pd.json"
+    rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--prefill", "1", "--decode", "1",
+               "--data-parallel-size", "2", "--enable-expert-parallel", "--prefill-data-parallel-size", "1",
+               "--prefill-max-num-batched-tokens", "8192", "--kv-cache-memory", "10", "--scale", "0.05",
+               "--max-model-len", "32768", "--concurrency", "4", "--duration", "10", "--output", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["devices"] == 3 and result["sim"]["prefill"]["shape"]["data_parallel_size"] == 1
+    run = result["runs"][0]
+    assert run["summary"]["valid"] and run["summary"]["devices"] == 3
+    measured = [r for r in run["requests"] if r["kind"] != "warmup"]
+    assert all(r["output_tokens"] == r["max_tokens"] and len(r["chunk_times"]) >= r["max_tokens"] - 1
+               for r in measured)

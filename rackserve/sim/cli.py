@@ -32,6 +32,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
     a("--instances", type=int, default=1, help="engine instances behind the router")
     a("--router-policy", default="least_load", help="round_robin or least_load")
+    a("--prefill", type=int, default=0, help="P/D: prefill instances (with --decode: decode instances)")
+    a("--decode", type=int, default=0, help="P/D: decode instances, of the main parallel shape")
+    a("--prefill-tensor-parallel-size", type=int, default=None, help="P/D: the prefill instances' TP")
+    a("--prefill-data-parallel-size", type=int, default=None, help="P/D: the prefill instances' DP")
+    a("--prefill-max-num-batched-tokens", type=int, default=None, help="P/D: the prefill instances' budget")
     a("--max-num-seqs", type=int, default=64)
     a("--max-num-batched-tokens", type=int, default=512)
     a("--max-model-len", type=int, default=None)
@@ -46,6 +51,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--scale", type=float, default=None)
     a("--output-scale", type=float, default=None)
     a("--think-time-cap", type=float, default=5.0)
+    a("--prefill-only", action="store_true", help="every request asks for one output token (prefill-only runs)")
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)
     a("--label", default=None)
@@ -90,6 +96,31 @@ def _summary(d: dict):
     return RunSummary(**d)
 
 
+class PrefillOnly:
+    """A workload whose every turn asks for one output token, as AgentX's prefill-only runs do."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name + "+prefill-only"
+        self.scale, self.output_scale = inner.scale, inner.output_scale
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def session(self, index: int):
+        return _one_token(self.inner.session(index))
+
+    def describe(self, max_sessions: int = 500):
+        from rackserve.bench.workload import workload_stats
+        return workload_stats([self.session(i) for i in range(min(len(self), max_sessions))])
+
+
+def _one_token(session):
+    from rackserve.bench.workload import SubagentGroup
+    steps = tuple(SubagentGroup(tuple(_one_token(a) for a in s.agents)) if isinstance(s, SubagentGroup)
+                  else dataclasses.replace(s, output_len=1) for s in session.steps)
+    return dataclasses.replace(session, steps=steps)
+
+
 def _stats_sessions(workload) -> int:
     """Sessions behind the workload statistics: bench serve's 500, fewer for full-size sessions
     (their exact hit-rate accounting costs minutes, not the simulation's seconds)."""
@@ -106,8 +137,10 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
     workload = make_workload(args.workload, WorkloadOptions(
         seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=setup.max_model_len,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len))
+    if args.prefill_only:
+        workload = PrefillOnly(workload)
     renderer = PromptRenderer(default_vocabulary(), args.seed)
-    devices = setup.devices
+    devices = setup.all_devices
     result = {"label": args.label or f"sim {args.model} on {args.hardware}", "base_url": None, "model": args.model,
               "workload": args.workload, "scale": workload.scale, "output_scale": workload.output_scale,
               "seed": args.seed, "devices": devices, "duration": args.duration, "think_time_cap": args.think_time_cap,

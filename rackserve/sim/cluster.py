@@ -11,6 +11,7 @@ It must never read the wall clock (virtual_loop.py owns time).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -130,11 +131,36 @@ class SimClient:
         self.instances, self.policy, self.clock = instances, policy, clock
         self.tokens = Tokens()
         self._ids = itertools.count()
+        self.prefill: list[SimInstance] = []
+
+    def disaggregate(self, prefill: list[SimInstance], policy: RoutingPolicy,
+                     transfer_seconds: Callable[[int], float]) -> None:
+        """P/D: prompts are computed on `prefill` instances (their first token is the TTFT), their
+        new KV then crosses the link (transfer_seconds(tokens)) to a decode instance."""
+        self.prefill, self.prefill_policy, self.transfer_seconds = prefill, policy, transfer_seconds
 
     async def send(self, messages: list[dict[str, str]], record: RequestRecord) -> RequestRecord:
         token_ids = self.tokens.encode(messages)
-        instance = self.instances[self.policy.pick(self.instances, token_ids)]
         record.start = self.clock()
-        await instance.generate(f"sim-{next(self._ids)}", token_ids, record.max_tokens, record)
+        if self.prefill:
+            await self._disaggregated(token_ids, record)
+        else:
+            instance = self.instances[self.policy.pick(self.instances, token_ids)]
+            await instance.generate(f"sim-{next(self._ids)}", token_ids, record.max_tokens, record)
         record.end = self.clock()
         return record
+
+    async def _disaggregated(self, token_ids: list[int], record: RequestRecord) -> None:
+        req_id = f"sim-{next(self._ids)}"
+        prefill = self.prefill[self.prefill_policy.pick(self.prefill, token_ids)]
+        await prefill.generate(req_id, token_ids, 1, record)
+        if not record.ok or record.max_tokens == 1:
+            return
+        await asyncio.sleep(self.transfer_seconds(len(token_ids) - (record.cached_tokens or 0)))
+        rest = dataclasses.replace(record, chunk_times=[], first_chunk=None)
+        decode = self.instances[self.policy.pick(self.instances, token_ids)]
+        # The first token came from the prefill instance; its id is a stand-in here too.
+        await decode.generate(req_id + "-d", token_ids + [0], record.max_tokens - 1, rest)
+        record.error, record.error_message = rest.error, rest.error_message
+        record.chunk_times += rest.chunk_times
+        record.output_tokens = 1 + (rest.output_tokens or 0)

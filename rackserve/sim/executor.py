@@ -45,16 +45,20 @@ def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
 @register_executor("sim")
 class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, pricer: StepPricer | None = None, spec: ModelSpec | None = None,
-                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0):
+                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0, kv_arrives: bool = False):
         """Defaults (as the registry builds it): the model's config.json at config.model.model and
         this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
-        decode step returns 1 + the accepted draft tokens, and the next step verifies them."""
+        decode step returns 1 + the accepted draft tokens, and the next step verifies them.
+        `kv_arrives`: a decode instance of a P/D pair, whose prompts' KV comes over the link from
+        a prefill instance: a prompt costs its last token's decode only (the transfer is timed by
+        the caller, before the request arrives)."""
         p = config.parallel
         self.spec = spec or load_model_spec(config.model.model)
         self.pricer = pricer or CostModel(self.spec, load_hardware("cpu"),
                                           ParallelShape(p.tensor_parallel_size, p.data_parallel_size,
                                                         p.enable_expert_parallel), config.model.seed)
         self.num_speculative_tokens, self.acceptance_rate = num_speculative_tokens, acceptance_rate
+        self.kv_arrives = kv_arrives
         self.model_max_len = self.spec.max_model_len
         self.vocab_size = self.spec.vocab_size
         self.num_kv_blocks = kv_blocks_for(self.spec, config)
@@ -74,14 +78,14 @@ class SimExecutor(Executor):
     def execute_dp(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput]:
         assert len(scheduler_outputs) == self._dp, "one SchedulerOutput per DP rank"
         batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
-        cost = self.pricer.step([[w for _, w in batch] for batch in batches])
+        cost = self.pricer.step([[w for _, w, _ in batch] for batch in batches])
         self.last_cost, self.last_step_seconds = cost, cost.seconds
         outputs = []
         for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
             req_ids, sampled = [], []
-            for req_id, work in batch:
+            for req_id, work, n in batch:
                 state = reqs[req_id]
-                state.num_computed += work.new_tokens
+                state.num_computed += n
                 if work.samples:
                     tokens = [self._token(req_id, state.num_tokens + i) for i in range(1 + self._accepted(req_id, state))]
                     state.num_tokens += len(tokens)
@@ -91,7 +95,8 @@ class SimExecutor(Executor):
             outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy))
         return outputs
 
-    def _batch(self, reqs: dict[str, _ReqState], so: SchedulerOutput) -> list[tuple[str, SeqWork]]:
+    def _batch(self, reqs: dict[str, _ReqState], so: SchedulerOutput) -> list[tuple[str, SeqWork, int]]:
+        """(request, its priced work, tokens scheduled) for each scheduled request."""
         for req_id in so.finished_req_ids:
             reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -101,7 +106,10 @@ class SimExecutor(Executor):
         batch = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = reqs[req_id]
-            batch.append((req_id, SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens)))
+            work = SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens)
+            if self.kv_arrives and n > 1 + self.num_speculative_tokens:
+                work = SeqWork(1, state.num_computed + n - 1, work.samples)   # the prompt's KV was loaded
+            batch.append((req_id, work, n))
         return batch
 
     def _accepted(self, req_id: str, state: _ReqState) -> int:

@@ -33,6 +33,8 @@ class SimSetup:
     router_policy: str
     num_speculative_tokens: int = 0
     acceptance_rate: float = 0.0
+    prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
+    kv_arrives: bool = False             # a decode pool: prompts' KV comes from the prefill pool
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware) -> "SimSetup":
@@ -54,12 +56,50 @@ class SimSetup:
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
                     args.num_speculative_tokens, args.acceptance_rate)
+        if args.prefill or args.decode:
+            setup = setup.disaggregated(args)
         setup.check_memory()
         return setup
 
+    def disaggregated(self, args: argparse.Namespace) -> "SimSetup":
+        """`--prefill P --decode D`: P prefill instances (their own DP/TP shape and token budget)
+        and D decode instances of this shape, whose budget admits a whole prompt whose KV arrives."""
+        if args.prefill < 1 or args.decode < 1:
+            raise ValueError("P/D needs --prefill P and --decode D, both >= 1")
+        tp = args.prefill_tensor_parallel_size or self.shape.tensor_parallel_size
+        dp = args.prefill_data_parallel_size or self.shape.data_parallel_size
+        budget = args.prefill_max_num_batched_tokens or self.config.scheduler.max_num_batched_tokens
+        prefill = dataclasses.replace(
+            self, instances=args.prefill, shape=dataclasses.replace(self.shape, tensor_parallel_size=tp,
+                                                                    data_parallel_size=dp),
+            config=dataclasses.replace(self.config, scheduler=SchedulerConfig(self.config.scheduler.max_num_seqs, budget),
+                                       parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
+                                                                    data_parallel_size=dp)),
+            num_speculative_tokens=0)
+        prefill.check_memory()
+        seqs = self.config.scheduler.max_num_seqs
+        decode_budget = self.max_model_len + seqs * (1 + self.num_speculative_tokens)
+        return dataclasses.replace(
+            self, instances=args.decode, prefill=prefill, kv_arrives=True,
+            config=dataclasses.replace(self.config, scheduler=SchedulerConfig(seqs, decode_budget)))
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Moving `tokens` tokens of KV from a prefill to a decode instance over one device's link
+        (scale-up inside one NVLink domain, scale-out across domains)."""
+        from rackserve.sim.efficiency import efficiency
+        inside = self.devices + (self.prefill.devices if self.prefill else 0) <= self.hardware.domain_size
+        bw = self.hardware.scale_up_bw if inside else self.hardware.scale_out_bw
+        kv = self.spec.kv_bytes(max(tokens, 1)) * tokens / max(tokens, 1)
+        return kv / (bw * efficiency("link_bw", self.hardware.efficiency)) + self.hardware.link_latency
+
     @property
     def devices(self) -> int:
+        """This pool's devices (the decode pool's under P/D)."""
         return self.instances * self.shape.world_size
+
+    @property
+    def all_devices(self) -> int:
+        return self.devices + (self.prefill.devices if self.prefill else 0)
 
     @property
     def max_model_len(self) -> int:
@@ -67,7 +107,7 @@ class SimSetup:
 
     def executor(self, seed: int) -> SimExecutor:
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
-                           self.num_speculative_tokens, self.acceptance_rate)
+                           self.num_speculative_tokens, self.acceptance_rate, self.kv_arrives)
 
     def check_memory(self) -> None:
         """Weights + KV cache must fit a device: a deployment that cannot load is refused."""
@@ -85,6 +125,7 @@ class SimSetup:
 
     def describe(self) -> dict:
         return {"hardware": self.hardware.to_json(), "shape": dataclasses.asdict(self.shape),
+                "prefill": self.prefill.describe() if self.prefill else None, "devices": self.all_devices,
                 "instances": self.instances, "router_policy": self.router_policy,
                 "model_spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "attention"},
                 "kv_blocks_per_dp_rank": self.executor(0).num_kv_blocks,
@@ -98,7 +139,7 @@ class SimSetup:
         from rackserve.sim.cluster import SimClient, SimInstance
         from rackserve.sim.routing import make_policy
 
-        async def play() -> tuple[list, list[SimInstance], float]:
+        async def play() -> tuple[list, list[SimInstance], list[SimInstance], float]:
             loop = asyncio.get_running_loop()
             start = loop.time()
 
@@ -107,8 +148,13 @@ class SimSetup:
 
             instances = [SimInstance(i, EngineCore(self.config, self.executor(seed + i)), clock)
                          for i in range(self.instances)]
-            tasks = [asyncio.ensure_future(i.run()) for i in instances]
+            prefill = [] if self.prefill is None else [
+                SimInstance(i, EngineCore(self.prefill.config, self.prefill.executor(seed + 1000 + i)), clock)
+                for i in range(self.prefill.instances)]
+            tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
             client = SimClient(instances, make_policy(self.router_policy), clock)
+            if prefill:
+                client.disaggregate(prefill, make_policy(self.router_policy), self.transfer_seconds)
             config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"{uuid.uuid4().hex[:8]}c{concurrency}")
             try:
                 records = await Replay(workload, renderer, client, config).run()
@@ -116,13 +162,14 @@ class SimSetup:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-            return records, instances, clock()
+            return records, instances + prefill, prefill or instances, clock()
 
         wall = time.perf_counter()
-        records, instances, virtual = run_virtual(play())
+        records, instances, computing, virtual = run_virtual(play())
         wall = time.perf_counter() - wall
-        hits = (sum(i.stats.prefix_hits for i in instances), sum(i.stats.prefix_queries for i in instances))
-        summary = summarize(records, concurrency, self.devices, hits)
+        # Under P/D the hit rate is the prefill pool's: where a hit saves compute.
+        hits = (sum(i.stats.prefix_hits for i in computing), sum(i.stats.prefix_queries for i in computing))
+        summary = summarize(records, concurrency, self.all_devices, hits)
         busy = sum(i.stats.dp_busy_seconds for i in instances)
         idle = sum(i.stats.dp_idle_seconds for i in instances)
         steps = [s for i in instances for s in i.stats.step_seconds]
