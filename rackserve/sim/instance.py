@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import dataclasses
 import time
-import uuid
 from dataclasses import dataclass
 
 from rackserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -155,7 +154,7 @@ class SimSetup:
             client = SimClient(instances, make_policy(self.router_policy), clock)
             if prefill:
                 client.disaggregate(prefill, make_policy(self.router_policy), self.transfer_seconds)
-            config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"{uuid.uuid4().hex[:8]}c{concurrency}")
+            config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")
             try:
                 records = await Replay(workload, renderer, client, config).run()
             finally:

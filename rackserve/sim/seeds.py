@@ -1,5 +1,6 @@
 """The seeds' step-level figures (reference/published-figures.md) beside the cost model's, with the
-error of each, and a sensitivity table: which hardware or engine parameter moves a projection most.
+error of each, and a sensitivity table: which hardware or engine parameter moves a projection
+(decode and prefill throughput per GPU) most.
 
 DeepSeek-V4.1-Flash as the seeds describe it (sim/configs/deepseek-v4.1-flash.json), decoding with
 MTP: nextn=3 drafts verified each step (4 tokens per sequence) at an assumed per-draft acceptance
@@ -72,29 +73,39 @@ def figures(spec: ModelSpec) -> list[dict]:
 
 
 def sensitivity(spec: ModelSpec) -> list[dict]:
-    """Each parameter doubled alone: the change of a DEP4 decode step (128K, 64 req/rank) and of a
-    DEP2 8K prefill step on GB300."""
+    """Each parameter changed alone: the change of decode throughput per GPU (GB300 DEP4, 128K
+    context, 64 requests a rank, MTP) and of prefill throughput per GPU (GB300 DEP2, an 8K chunk)."""
+    from rackserve.sim.efficiency import EFFICIENCY
     gb = HARDWARE["GB300"]
-    cases = {"decode": (4, decode_batches(4, 64, 131072)), "prefill": (2, prefill_batches(2, 8192, 0))}
-    base = {k: _step(spec, gb, 1, dp, b).seconds for k, (dp, b) in cases.items()}
-    eff = dict(__import__("rackserve.sim.efficiency", fromlist=["EFFICIENCY"]).EFFICIENCY)
-    variants: dict[str, tuple[ModelSpec, Hardware]] = {
-        "FLOP/s x2": (spec, dataclasses.replace(gb, flops={k: 2 * v for k, v in gb.flops.items()})),
-        "HBM bandwidth x2": (spec, dataclasses.replace(gb, mem_bw=2 * gb.mem_bw)),
-        "NVLink bandwidth x2": (spec, dataclasses.replace(gb, scale_up_bw=2 * gb.scale_up_bw)),
-        "step overhead x2": (spec, dataclasses.replace(gb, step_overhead=2 * gb.step_overhead)),
-        "MoE efficiency x1.5": (spec, dataclasses.replace(gb, efficiency={**eff, "moe_flops": 1.5 * eff["moe_flops"]})),
-        "KV bytes per token x2": (dataclasses.replace(spec, kv_entry_bytes=2 * spec.entry_bytes), gb),
-        "expert weights fp8 (not fp4)": (dataclasses.replace(spec, expert_precision="fp8"), gb),
-        "active experts per token x2": (dataclasses.replace(spec, experts_per_token=2 * spec.experts_per_token), gb),
+
+    def rates(s: ModelSpec, hw: Hardware, per_rank: int = 64, context: int = 131072, chunk: int = 8192,
+              tokens_per_step: float = TOKENS_PER_STEP) -> tuple[float, float]:
+        decode = _step(s, hw, 1, 4, decode_batches(4, per_rank, context)).seconds
+        prefill = _step(s, hw, 1, 2, prefill_batches(2, chunk, 0)).seconds
+        return per_rank * tokens_per_step / decode, chunk / prefill / 2
+
+    base = rates(spec, gb)
+    eff = dict(EFFICIENCY)
+    variants = {
+        "FLOP/s x2": (spec, dataclasses.replace(gb, flops={k: 2 * v for k, v in gb.flops.items()}), {}),
+        "HBM bandwidth x2": (spec, dataclasses.replace(gb, mem_bw=2 * gb.mem_bw), {}),
+        "NVLink bandwidth x2": (spec, dataclasses.replace(gb, scale_up_bw=2 * gb.scale_up_bw), {}),
+        "fixed overheads x2": (spec, dataclasses.replace(gb, step_overhead=2 * gb.step_overhead,
+                                                         layer_overhead=2 * gb.layer_overhead), {}),
+        "MoE GEMM efficiency x1.5": (spec, dataclasses.replace(gb, efficiency={**eff, "moe_flops": 1.5 * eff["moe_flops"]}), {}),
+        "KV bytes per token x2": (dataclasses.replace(spec, kv_entry_bytes=2 * spec.entry_bytes), gb, {}),
+        "expert weights fp8 (not fp4)": (dataclasses.replace(spec, expert_precision="fp8"), gb, {}),
+        "experts per token x2": (dataclasses.replace(spec, experts_per_token=2 * spec.experts_per_token), gb, {}),
+        "engine: requests per DP rank x2": (spec, gb, {"per_rank": 128}),
+        "engine: prefill chunk x2 (16K)": (spec, gb, {"chunk": 16384}),
+        "engine: MTP acceptance 0.8 -> 0.9": (spec, gb, {"tokens_per_step": sum(0.9 ** i for i in range(NEXTN + 1))}),
+        "workload: context x2 (256K)": (spec, gb, {"context": 262144}),
     }
     rows = []
-    for name, (s, hw) in variants.items():
-        row = {"parameter": name}
-        for k, (dp, b) in cases.items():
-            row[k] = _step(s, hw, 1, dp, b).seconds / base[k] - 1
-        rows.append(row)
-    return sorted(rows, key=lambda r: -abs(r["decode"]))
+    for name, (s, hw, kw) in variants.items():
+        decode, prefill = rates(s, hw, **kw)
+        rows.append({"parameter": name, "decode": decode / base[0] - 1, "prefill": prefill / base[1] - 1})
+    return sorted(rows, key=lambda r: -max(abs(r["decode"]), abs(r["prefill"])))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         print(f"{r['figure']:<62} published {r['published']:>10.4g} {r['unit']:<6} sim {r['simulated']:>10.4g}"
               f"  ({r['error']:+.0%})")
-    print("\nsensitivity (each alone):            decode step   prefill step")
+    print("\nsensitivity (each alone):            decode tok/s/GPU   prefill tok/s/GPU")
     for r in sens:
         print(f"  {r['parameter']:<34} {r['decode']:>+10.1%} {r['prefill']:>+14.1%}")
     if args.output:
