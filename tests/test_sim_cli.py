@@ -71,3 +71,17 @@ def test_prefill_decode_disaggregation(tmp_path):
     measured = [r for r in run["requests"] if r["kind"] != "warmup"]
     assert all(r["output_tokens"] == r["max_tokens"] and len(r["chunk_times"]) >= r["max_tokens"] - 1
                for r in measured)
+
+
+def test_least_uncached_placement_keeps_sessions_on_their_cache(tmp_path):
+    """Placing a request on the DP rank with the least uncached work (its prefix hits counted) finds
+    more of the cache than the engine's least-load placement, which ignores where prefixes live."""
+    rates = {}
+    for placement in ("least_load", "least_uncached"):
+        out = tmp_path / f"{placement}.json"
+        rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--data-parallel-size", "4",
+                   "--enable-expert-parallel", "--kv-cache-memory", "20", "--scale", "0.02", "--max-model-len", "32768",
+                   "--concurrency", "8", "--duration", "10", "--dp-placement", placement, "--output", str(out)])
+        assert rc == 0
+        rates[placement] = json.loads(out.read_text())["runs"][0]["summary"]["hit_rate"]
+    assert rates["least_uncached"] > rates["least_load"] + 0.05

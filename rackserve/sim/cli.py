@@ -31,7 +31,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step")
     a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
     a("--instances", type=int, default=1, help="engine instances behind the router")
-    a("--router-policy", default="least_load", help="round_robin or least_load")
+    a("--router-policy", default="least_load", help="round_robin, least_load or least_uncached")
+    a("--dp-placement", default="least_load", help="DP rank of a new request: least_load (the engine's: fewest "
+      "requests) or least_uncached (least uncached prompt work, prefix hits counted)")
     a("--prefill", type=int, default=0, help="P/D: prefill instances (with --decode: decode instances)")
     a("--decode", type=int, default=0, help="P/D: decode instances, of the main parallel shape")
     a("--prefill-tensor-parallel-size", type=int, default=None, help="P/D: the prefill instances' TP")

@@ -34,6 +34,7 @@ class SimSetup:
     acceptance_rate: float = 0.0
     prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
     kv_arrives: bool = False             # a decode pool: prompts' KV comes from the prefill pool
+    dp_placement: str = "least_load"     # the engine's own, or sim/routing.py's least_uncached
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware) -> "SimSetup":
@@ -53,8 +54,10 @@ class SimSetup:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
+        if args.dp_placement not in ("least_load", "least_uncached"):
+            raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose least_load or least_uncached")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
-                    args.num_speculative_tokens, args.acceptance_rate)
+                    args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement)
         if args.prefill or args.decode:
             setup = setup.disaggregated(args)
         setup.check_memory()
@@ -104,6 +107,11 @@ class SimSetup:
     def max_model_len(self) -> int:
         return self.spec.max_model_len
 
+    def engine(self, seed: int) -> EngineCore:
+        from rackserve.engine.data_parallel import least_load
+        from rackserve.sim.routing import DP_PLACEMENTS
+        return EngineCore(self.config, self.executor(seed), DP_PLACEMENTS.get(self.dp_placement, least_load))
+
     def executor(self, seed: int) -> SimExecutor:
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
                            self.num_speculative_tokens, self.acceptance_rate, self.kv_arrives)
@@ -125,7 +133,7 @@ class SimSetup:
     def describe(self) -> dict:
         return {"hardware": self.hardware.to_json(), "shape": dataclasses.asdict(self.shape),
                 "prefill": self.prefill.describe() if self.prefill else None, "devices": self.all_devices,
-                "instances": self.instances, "router_policy": self.router_policy,
+                "instances": self.instances, "router_policy": self.router_policy, "dp_placement": self.dp_placement,
                 "model_spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "attention"},
                 "kv_blocks_per_dp_rank": self.executor(0).num_kv_blocks,
                 "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate}
@@ -145,11 +153,9 @@ class SimSetup:
             def clock() -> float:
                 return loop.time() - start
 
-            instances = [SimInstance(i, EngineCore(self.config, self.executor(seed + i)), clock)
-                         for i in range(self.instances)]
+            instances = [SimInstance(i, self.engine(seed + i), clock) for i in range(self.instances)]
             prefill = [] if self.prefill is None else [
-                SimInstance(i, EngineCore(self.prefill.config, self.prefill.executor(seed + 1000 + i)), clock)
-                for i in range(self.prefill.instances)]
+                SimInstance(i, self.prefill.engine(seed + 1000 + i), clock) for i in range(self.prefill.instances)]
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
             client = SimClient(instances, make_policy(self.router_policy), clock)
             if prefill:
