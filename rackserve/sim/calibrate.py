@@ -31,17 +31,28 @@ def load_cpu(path: str = CPU_CALIBRATION) -> Hardware:
         raise ValueError(f"no cpu calibration at {path}: run python -m rackserve.sim.calibrate on bench forward results")
     with open(path) as f:
         d = json.load(f)
-    d.pop("measured", None)
+    for key in ("measured", "held_out", "command"):
+        d.pop(key, None)
     return Hardware(**d)
 
 
-def forward_points(result: dict) -> list[tuple[list[SeqWork], float]]:
-    """(batch, measured median seconds) of each point of a `bench forward` JSON (side A)."""
+def forward_points(result: dict, side: str = "A") -> list[tuple[list[SeqWork], float]]:
+    """(batch, measured median seconds) of each point of a `bench forward` JSON (one side)."""
     out = []
     for p in result["points"]:
         batch = [SeqWork(p["new_tokens"], p["context_len"], True)] * p["batch_size"]
-        out.append((batch, p["A"]["median_s"]))
+        out.append((batch, p[side]["median_s"]))
     return out
+
+
+def check(path: str, side: str, spec: ModelSpec, hw: Hardware) -> list[dict]:
+    """The model's error on a bench forward result it was not fitted to."""
+    with open(path) as f:
+        points = forward_points(json.load(f), side)
+    model = CostModel(spec, hw)
+    return [{"file": os.path.basename(path), "side": side, "batch_size": len(b), "new_tokens": b[0].new_tokens,
+             "context_len": b[0].context, "measured_s": t, "simulated_s": model.step([b]).seconds}
+            for b, t in points]
 
 
 def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str) -> Hardware:
@@ -86,6 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="bench forward JSON files (same model, threads and dtype)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the config the forward runs used")
     parser.add_argument("--output", default=CPU_CALIBRATION)
+    parser.add_argument("--check", action="append", default=[], metavar="FILE[:SIDE][:KV_DTYPE]",
+                        help="held out: print the fitted model's error on this bench forward result "
+                        "(side A by default; KV_DTYPE e.g. bf16 when that side ran a 16-bit KV cache)")
     args = parser.parse_args(argv)
     results = [json.load(open(path)) for path in args.results]
     spec = load_model_spec(args.model).with_precision("fp32", "fp32")
@@ -102,9 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({m['simulated_s'] / m['measured_s'] - 1:+.0%})")
     print("efficiency", {k: round(v, 3) for k, v in hw.efficiency.items()}, f"overhead {hw.step_overhead * 1e3:.1f} ms "
           f"a step + {hw.seq_overhead * 1e3:.2f} ms a sequence")
+    held_out = []
+    for item in args.check:
+        path, side, kv = (item.split(":") + [""] * 2)[:3]
+        side = side or "A"
+        held_out += check(path, side, spec.with_precision(kv=kv or None), hw)
+    for m in held_out:
+        print(f"held out {m['file']} {m['side']}: batch {m['batch_size']} after {m['context_len']}: measured "
+              f"{m['measured_s'] * 1e3:.1f} ms, model {m['simulated_s'] * 1e3:.1f} ms "
+              f"({m['simulated_s'] / m['measured_s'] - 1:+.0%})")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({**hw.to_json(), "measured": measured}, f, indent=1)
+        json.dump({**hw.to_json(), "measured": measured, "held_out": held_out, "command": ["python", "-m",
+                   "rackserve.sim.calibrate", *(argv if argv is not None else __import__("sys").argv[1:])]},
+                  f, indent=1)
     print(f"wrote {args.output}")
     return 0
 

@@ -85,5 +85,6 @@ def load_hardware(name_or_file: str) -> Hardware:
                          "nor a JSON file")
     with open(name_or_file) as f:
         d = json.load(f)
-    d.pop("measured", None)
+    for key in ("measured", "held_out", "command"):   # a calibration's record of how it was made
+        d.pop(key, None)
     return Hardware(**d)

@@ -38,9 +38,10 @@ class SimSetup:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware) -> "SimSetup":
-        spec = load_model_spec(args.model).with_precision(args.quantization, args.kv_cache_dtype)
-        if hardware.name == "cpu" and args.kv_cache_dtype is None:
-            spec = spec.with_precision("fp32", "fp32")   # rackserve on CPU runs float32 weights and KV
+        spec = load_model_spec(args.model)
+        if hardware.name == "cpu":   # rackserve on CPU runs float32 weights and KV unless told otherwise
+            spec = spec.with_precision("fp32", "fp32")
+        spec = spec.with_precision(args.quantization, args.kv_cache_dtype)
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         if tp < 1 or dp < 1:
             raise ValueError("parallel sizes must be >= 1")
