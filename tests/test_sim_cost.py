@@ -125,3 +125,17 @@ def test_precision_overrides_scale_weights_and_kv():
     assert model8._dense([SeqWork(1, 10)]).bytes == model._dense([SeqWork(1, 10)]).bytes / 2
     with pytest.raises(ValueError, match="unknown precision"):
         spec.with_precision("int3")
+
+
+def test_cpu_calibration_recovers_step_times_it_was_fitted_to():
+    """Points made by a known device: the fit reproduces each within 5%."""
+    from rackserve.sim.calibrate import _cpu, fit
+    spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    truth = _cpu(300e9, 25e9, {"gemm_flops": 0.6, "attn_flops": 0.4, "mem_bw": 0.9, "attn_mem_bw": 0.5},
+                 (0.008, 0.002), "synthetic")
+    model = CostModel(spec, truth)
+    batches = [[SeqWork(1, c)] * b for b in (1, 8, 32) for c in (256, 2048)] + [[SeqWork(256, 0)] * b for b in (1, 4)]
+    points = [(b, model.step([b]).seconds) for b in batches]
+    fitted = CostModel(spec, fit(spec, points, 300e9, 25e9))
+    for batch, seconds in points:
+        assert fitted.step([batch]).seconds == pytest.approx(seconds, rel=0.05)
