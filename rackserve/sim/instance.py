@@ -50,7 +50,8 @@ class SimSetup:
             raise ValueError(f"max_model_len={max_len} exceeds the model's {spec.max_model_len}")
         spec = dataclasses.replace(spec, max_model_len=max_len)
         config = EngineConfig(
-            ModelConfig(args.model, args.model, args.model, "bfloat16", "sim", max_len, args.seed),
+            ModelConfig(model=args.model, served_model_name=args.model, tokenizer=args.model, dtype="bfloat16",
+                        device="sim", max_model_len=max_len, seed=args.seed),
             CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching, args.num_gpu_blocks_override),
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
