@@ -28,7 +28,8 @@ FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
 
 def load_cpu(path: str = CPU_CALIBRATION) -> Hardware:
     if not os.path.isfile(path):
-        raise ValueError(f"no cpu calibration at {path}: run python -m rackserve.sim.calibrate on bench forward results")
+        raise ValueError(f"no cpu calibration at {path}: "
+                         "run python -m rackserve.sim.calibrate on bench forward results")
     with open(path) as f:
         d = json.load(f)
     for key in ("measured", "held_out", "command"):

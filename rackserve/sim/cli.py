@@ -148,7 +148,8 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
               "seed": args.seed, "devices": devices, "duration": args.duration, "think_time_cap": args.think_time_cap,
               "max_context": setup.max_model_len, "eos": "ignore_eos", "vocabulary": "one word per token",
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv,
-              "workload_stats": dataclasses.asdict(workload.describe(_stats_sessions(workload))), "sim": setup.describe(), "runs": []}
+              "workload_stats": dataclasses.asdict(workload.describe(_stats_sessions(workload))),
+              "sim": setup.describe(), "runs": []}
     for concurrency in levels:
         result["runs"].append(setup.run_level(workload, renderer, concurrency, args.duration, args.think_time_cap,
                                               args.seed))

@@ -4,7 +4,8 @@ produced (each sequence's new tokens and the context before them), split by oper
 
 time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) (their sum on a
 device whose compute and memory traffic do not overlap: the CPU); a step is the sum of its
-classes plus the device's fixed overheads (per step, per layer, per scheduled sequence). Parallel shapes: tensor parallelism
+classes plus the device's fixed overheads (per step, per layer, per scheduled sequence).
+Parallel shapes: tensor parallelism
 splits linears and heads (two all-reduces per layer); expert parallelism spreads the routed
 experts over all ranks of the instance (all-to-all dispatch and combine per MoE layer), each
 rank's expert work counted from a simulated token-to-expert draw (a Zipf skew parameter), the
@@ -109,8 +110,10 @@ class CostModel:
                 # Causal: the queries see on average the keys at their middle position.
                 flops += kind.count * w.new_tokens * kind.keys(mid) * s.attn_flops_per_key
                 index += kind.count * w.new_tokens * kind.index_entries(mid) * kind.index_flops_per_entry
-                read += kind.count * (kind.keys(end) * s.entry_bytes + kind.index_entries(end) * kind.index_bytes_per_entry)
-        written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(max(1, max((w.context for w in batch), default=1)))
+                read += kind.count * (kind.keys(end) * s.entry_bytes
+                                      + kind.index_entries(end) * kind.index_bytes_per_entry)
+        longest = max(1, max((w.context for w in batch), default=1))
+        written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)
         kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
         # The lightning indexer scores in FP8 (DeepSeek-V3.2 paper, and vLLM's deepseek_v4 indexer).
         return self._time(OpCost((flops + index) / tp, (read + written) / kv_split), "attn_flops", "bf16",

@@ -87,7 +87,8 @@ class SimExecutor(Executor):
                 state = reqs[req_id]
                 state.num_computed += n
                 if work.samples:
-                    tokens = [self._token(req_id, state.num_tokens + i) for i in range(1 + self._accepted(req_id, state))]
+                    count = 1 + self._accepted(req_id, state)
+                    tokens = [self._token(req_id, state.num_tokens + i) for i in range(count)]
                     state.num_tokens += len(tokens)
                     req_ids.append(req_id)
                     sampled.append(tokens)

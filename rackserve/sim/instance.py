@@ -52,7 +52,8 @@ class SimSetup:
         config = EngineConfig(
             ModelConfig(model=args.model, served_model_name=args.model, tokenizer=args.model, dtype="bfloat16",
                         device="sim", max_model_len=max_len, seed=args.seed),
-            CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching, args.num_gpu_blocks_override),
+            CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching,
+                        args.num_gpu_blocks_override),
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
@@ -76,7 +77,8 @@ class SimSetup:
         prefill = dataclasses.replace(
             self, instances=args.prefill, shape=dataclasses.replace(self.shape, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp),
-            config=dataclasses.replace(self.config, scheduler=SchedulerConfig(self.config.scheduler.max_num_seqs, budget),
+            config=dataclasses.replace(self.config,
+                                       scheduler=SchedulerConfig(self.config.scheduler.max_num_seqs, budget),
                                        parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp)),
             num_speculative_tokens=0)

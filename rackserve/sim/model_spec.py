@@ -77,7 +77,8 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return self.dense_params_per_token + self.lm_head_params + self.num_moe_layers * self.num_experts * self.expert_params
+        experts = self.num_moe_layers * self.num_experts * self.expert_params
+        return self.dense_params_per_token + self.lm_head_params + experts
 
     @property
     def active_params_per_token(self) -> int:
@@ -189,7 +190,8 @@ def _deepseek_v3(name: str, c: dict) -> ModelSpec:
     # Absorbed MLA (how decode runs): every head scores the 576-wide latent and sums 512 of it.
     return ModelSpec(**_common(name, c), dense_params_per_token=layers * attn + mlp, num_experts=experts,
                      experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers,
-                     kv_entry_elems=lora + rope, num_kv_heads=1, attn_flops_per_key=2 * heads * (lora + rope) + 2 * heads * lora,
+                     kv_entry_elems=lora + rope, num_kv_heads=1,
+                     attn_flops_per_key=2 * heads * (lora + rope) + 2 * heads * lora,
                      attention=(AttentionKind(layers, None),))
 
 
@@ -210,7 +212,8 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
     kinds = (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0),
              AttentionKind(hca, window, hca_m))
     spec = ModelSpec(**_common(name, c), dense_params_per_token=layers * attn + compressors + mlp, num_experts=experts,
-                     experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers, kv_entry_elems=hd, num_kv_heads=1,
+                     experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers, kv_entry_elems=hd,
+                     num_kv_heads=1,
                      attn_flops_per_key=4 * heads * hd, attention=kinds, kv_entry_bytes=c.get("kv_bytes_per_entry"),
                      mtp_tokens=0)
     total = c.get("kv_bytes_per_token_total")

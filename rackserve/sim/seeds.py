@@ -92,7 +92,8 @@ def sensitivity(spec: ModelSpec) -> list[dict]:
         "NVLink bandwidth x2": (spec, dataclasses.replace(gb, scale_up_bw=2 * gb.scale_up_bw), {}),
         "fixed overheads x2": (spec, dataclasses.replace(gb, step_overhead=2 * gb.step_overhead,
                                                          layer_overhead=2 * gb.layer_overhead), {}),
-        "MoE GEMM efficiency x1.5": (spec, dataclasses.replace(gb, efficiency={**eff, "moe_flops": 1.5 * eff["moe_flops"]}), {}),
+        "MoE GEMM efficiency x1.5": (spec, dataclasses.replace(
+            gb, efficiency={**eff, "moe_flops": 1.5 * eff["moe_flops"]}), {}),
         "KV bytes per token x2": (dataclasses.replace(spec, kv_entry_bytes=2 * spec.entry_bytes), gb, {}),
         "expert weights fp8 (not fp4)": (dataclasses.replace(spec, expert_precision="fp8"), gb, {}),
         "experts per token x2": (dataclasses.replace(spec, experts_per_token=2 * spec.experts_per_token), gb, {}),
