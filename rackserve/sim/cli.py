@@ -58,6 +58,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--random-output-len", type=int, default=128, help="random: output tokens")
     a("--label", default=None, help="name of this run in plots")
     a("--output", default=None, help="write the runs as `bench serve` does")
+    a("--summary-only", action="store_true", help="--output without every request's record (small files)")
     a("--plot", default=None, help="draw throughput per device against P90 interactivity")
 
 
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  simulated {sim['virtual_seconds']:.1f} s in {sim['wall_seconds']:.1f} s of wall time "
                       f"({sim['speedup']:.0f}x); {sim['steps']} steps, DP idle {sim['dp_idle_share']:.1%}")
     if args.output:
+        if args.summary_only:
+            for run_ in result["runs"]:
+                run_.pop("requests")
         with open(args.output, "w") as f:
             json.dump(_finite(result), f, indent=1)
         print(f"wrote {args.output}")
