@@ -57,6 +57,8 @@ class SimSetup:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
+        from rackserve.sim.routing import make_policy
+        make_policy(args.router_policy)   # an unknown name fails here, before any run
         if args.dp_placement not in ("least_load", "least_uncached"):
             raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose least_load or least_uncached")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
