@@ -55,6 +55,11 @@ def test_moe_mla_counts_by_hand():
     moe = model._moe(model._expert_loads(1), slice(None), 1)
     assert moe.flops == 2 * 8 * spec.expert_params * 58
     assert moe.bytes == 8 * spec.expert_params * 58 * 1.0
+    # Absorbed MLA decode after 100 tokens: each of 128 heads scores the 576-wide latent of 101 keys
+    # and sums 512 of it; the latent (bf16) is read once and one entry written, in 61 layers.
+    attn = model._attention([SeqWork(1, 100)])
+    assert attn.flops == 61 * 101 * (2 * 128 * 576 + 2 * 128 * 512)
+    assert attn.bytes == 61 * 576 * 2 * (101 + 1)
 
 
 @pytest.mark.parametrize("alias", model_aliases())
