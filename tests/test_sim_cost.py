@@ -27,6 +27,20 @@ def test_counts_match_bench_forwards_count_of_the_real_model(request, fixture):
     assert spec.with_precision(kv="fp32").kv_bytes_per_token() == real.kv_bytes_per_token
 
 
+def test_deepseek_v4_counts_match_bench_forwards_count_of_the_real_model(tmp_path):
+    """Sliding, CSA and HCA layers with their compressors and indexer, grouped output projection,
+    hash-routed and learned-routed experts: the linears the real model holds, counted from config.json."""
+    from rackserve.bench.forward_steps import model_cost
+    from tests.tiny_models import build_tiny_deepseek_v4
+    path = build_tiny_deepseek_v4(tmp_path)
+    real = model_cost(ModelConfig(path, path, path, "float32", "cpu", None, 0))
+    spec = load_model_spec(path)
+    router = spec.num_moe_layers * spec.hidden_size * spec.num_experts
+    assert spec.dense_params_per_token - router == real.linear_params
+    assert spec.num_moe_layers * spec.num_experts * spec.expert_params == real.expert_params
+    assert [(k.count, k.compress) for k in spec.attention] == [(2, 4), (1, 16), (1, 0)]
+
+
 def test_dense_step_flops_and_bytes_by_hand():
     """SmolLM2-135M: 30 layers of q, o (576x576), k, v (576x192), gate/up/down (576x1536), tied head."""
     spec = load_model_spec("smollm2-135m-instruct")

@@ -198,19 +198,23 @@ def _deepseek_v3(name: str, c: dict) -> ModelSpec:
 def _deepseek_v4(name: str, c: dict) -> ModelSpec:
     layers, hidden, heads, hd = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["head_dim"]
     q_lora, groups, o_lora = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
-    rates = c["compress_rates"]
+    rates = c.get("compress_rates") or {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
     csa_m, hca_m = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
-    # transformers' default schedule: two HCA layers, then HCA and CSA alternating.
-    csa = sum(1 for i in range(max(layers - 2, 0)) if i % 2)
-    hca = layers - csa
+    types = c.get("layer_types") or [{0: "sliding_attention", 4: "compressed_sparse_attention"}.get(
+        r, "heavily_compressed_attention") for r in c.get("compress_ratios") or []]
+    if not types:   # transformers' default schedule: two HCA layers, then HCA and CSA alternating
+        types = ["heavily_compressed_attention"] * min(layers, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(layers - 2, 0))]
+    csa, hca = types.count("compressed_sparse_attention"), types.count("heavily_compressed_attention")
+    sliding = layers - csa - hca
     ih, idim = c["index_n_heads"], c["index_head_dim"]
     attn = (hidden * q_lora + q_lora * heads * hd + hidden * hd          # q_a, q_b, kv_proj
             + heads * hd * o_lora + groups * o_lora * hidden)            # grouped o_a, o_b
     compressors = csa * (hidden * 4 * hd + q_lora * ih * idim + hidden * ih + hidden * 4 * idim) + hca * hidden * 2 * hd
     experts, k, expert, moe_layers, mlp = _moe_counts(c, layers)
     window = c["sliding_window"]
-    kinds = (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0),
-             AttentionKind(hca, window, hca_m))
+    kinds = tuple(k for k in (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0),
+                              AttentionKind(hca, window, hca_m), AttentionKind(sliding, window)) if k.count)
     spec = ModelSpec(**_common(name, c), dense_params_per_token=layers * attn + compressors + mlp, num_experts=experts,
                      experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers, kv_entry_elems=hd,
                      num_kv_heads=1,
