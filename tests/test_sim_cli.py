@@ -87,3 +87,31 @@ def test_least_uncached_placement_keeps_sessions_on_their_cache(tmp_path):
         assert rc == 0
         rates[placement] = json.loads(out.read_text())["runs"][0]["summary"]["hit_rate"]
     assert rates["least_uncached"] > rates["least_load"] + 0.05
+
+
+def test_a_kv_pool_serves_prefixes_another_instance_computed(tmp_path):
+    """Round-robin sends a session's turns to instances that never saw it; a shared KV pool loads
+    their prefixes at link bandwidth instead of computing them, so the same run goes faster."""
+    results = {}
+    for pool in ("0", "200"):
+        out = tmp_path / f"pool{pool}.json"
+        rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--instances", "3",
+                   "--router-policy", "round_robin", "--kv-cache-memory", "4", "--scale", "0.05",
+                   "--max-model-len", "32768", "--concurrency", "8", "--duration", "10", "--kv-pool-memory", pool,
+                   "--output", str(out), "--summary-only"])
+        assert rc == 0
+        results[pool] = json.loads(out.read_text())["runs"][0]
+    assert results["0"]["sim"]["kv_pool_hit_tokens"] is None
+    assert results["200"]["sim"]["kv_pool_hit_tokens"] > 0
+    assert results["200"]["summary"]["ttft"]["p50"] < results["0"]["summary"]["ttft"]["p50"]
+
+
+def test_kv_pool_keeps_the_most_recent_blocks():
+    from rackserve.sim.kv_pool import KVPool
+    pool = KVPool(capacity_tokens=4 * 16, bandwidth=1e9, block_size=16)
+    first, second = pool.hashes(list(range(64))), pool.hashes(list(range(100, 164)))
+    pool.offer(first)
+    assert pool.prefix_tokens(first, 64) == 64
+    pool.offer(second[:2])          # evicts the two oldest blocks: the first prompt's prefix
+    assert pool.prefix_tokens(first, 64) == 0 and pool.prefix_tokens(second, 64) == 32
+    assert pool.prefix_tokens(second, 20) == 16      # never past the limit, in whole blocks

@@ -32,6 +32,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
     a("--instances", type=int, default=1, help="engine instances behind the router")
     a("--router-policy", default="least_load", help="round_robin, least_load or least_uncached")
+    a("--kv-pool-memory", type=float, default=0.0, help="GiB of a KV pool all instances share (0: none); "
+      "prompt blocks it holds beyond an instance's own hit load at --kv-pool-bandwidth instead of computing")
+    a("--kv-pool-bandwidth", type=float, default=None, help="GB/s an instance loads pool blocks at "
+      "(default: the device's scale-out link)")
     a("--dp-placement", default="least_load", help="DP rank of a new request: least_load (the engine's: fewest "
       "requests) or least_uncached (least uncached prompt work, prefix hits counted)")
     a("--prefill", type=int, default=0, help="P/D: prefill instances (with --decode: decode instances)")

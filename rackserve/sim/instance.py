@@ -18,6 +18,7 @@ from rackserve.engine.core import EngineCore
 from rackserve.sim.cost import CostModel, ParallelShape
 from rackserve.sim.executor import SimExecutor
 from rackserve.sim.hardware import GIB, Hardware
+from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import ModelSpec, load_model_spec
 from rackserve.sim.virtual_loop import run_virtual
 
@@ -35,6 +36,8 @@ class SimSetup:
     prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
     kv_arrives: bool = False             # a decode pool: prompts' KV comes from the prefill pool
     dp_placement: str = "least_load"     # the engine's own, or sim/routing.py's least_uncached
+    kv_pool_gib: float = 0.0             # a KV pool shared by all instances (0: none)
+    kv_pool_bandwidth: float = 0.0       # bytes/s an instance loads from it
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware) -> "SimSetup":
@@ -62,7 +65,12 @@ class SimSetup:
         if args.dp_placement not in ("least_load", "least_uncached"):
             raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose least_load or least_uncached")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
-                    args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement)
+                    args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement,
+                    kv_pool_gib=args.kv_pool_memory,
+                    kv_pool_bandwidth=(args.kv_pool_bandwidth * 1e9 if args.kv_pool_bandwidth
+                                       else hardware.scale_out_bw))
+        if setup.kv_pool_gib < 0 or setup.kv_pool_bandwidth <= 0:
+            raise ValueError("--kv-pool-memory must be >= 0 and --kv-pool-bandwidth > 0")
         if args.prefill or args.decode:
             setup = setup.disaggregated(args)
         setup.check_memory()
@@ -113,14 +121,21 @@ class SimSetup:
     def max_model_len(self) -> int:
         return self.spec.max_model_len
 
-    def engine(self, seed: int) -> EngineCore:
+    def engine(self, seed: int, kv_pool: KVPool | None = None) -> EngineCore:
         from rackserve.engine.data_parallel import least_load
         from rackserve.sim.routing import DP_PLACEMENTS
-        return EngineCore(self.config, self.executor(seed), DP_PLACEMENTS.get(self.dp_placement, least_load))
+        return EngineCore(self.config, self.executor(seed, kv_pool), DP_PLACEMENTS.get(self.dp_placement, least_load))
 
-    def executor(self, seed: int) -> SimExecutor:
+    def executor(self, seed: int, kv_pool: KVPool | None = None) -> SimExecutor:
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
-                           self.num_speculative_tokens, self.acceptance_rate, self.kv_arrives)
+                           self.num_speculative_tokens, self.acceptance_rate, self.kv_arrives, kv_pool)
+
+    def kv_pool(self) -> KVPool | None:
+        """A fresh pool for one run, sized in tokens of this model's KV; None without one."""
+        if not self.kv_pool_gib:
+            return None
+        per_token = self.spec.kv_bytes_per_token(min(self.max_model_len, 1 << 17))
+        return KVPool(int(self.kv_pool_gib * GIB / per_token), self.kv_pool_bandwidth, self.config.cache.block_size)
 
     def check_memory(self) -> None:
         """Weights + KV cache must fit a device: a deployment that cannot load is refused."""
@@ -142,7 +157,8 @@ class SimSetup:
                 "instances": self.instances, "router_policy": self.router_policy, "dp_placement": self.dp_placement,
                 "model_spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "attention"},
                 "kv_blocks_per_dp_rank": self.executor(0).num_kv_blocks,
-                "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate}
+                "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate,
+                "kv_pool_gib": self.kv_pool_gib, "kv_pool_bandwidth": self.kv_pool_bandwidth}
 
     def run_level(self, workload, renderer, concurrency: int, duration: float, think_time_cap: float,
                   seed: int) -> dict:
@@ -159,9 +175,14 @@ class SimSetup:
             def clock() -> float:
                 return loop.time() - start
 
-            instances = [SimInstance(i, self.engine(seed + i), clock) for i in range(self.instances)]
+            pool = self.kv_pool()
+            computes = self.prefill is None   # under P/D the prefill pool computes prompts and uses the KV pool
+            instances = [SimInstance(i, self.engine(seed + i, pool if computes else None), clock)
+                         for i in range(self.instances)]
             prefill = [] if self.prefill is None else [
-                SimInstance(i, self.prefill.engine(seed + 1000 + i), clock) for i in range(self.prefill.instances)]
+                SimInstance(i, self.prefill.engine(seed + 1000 + i, pool), clock)
+                for i in range(self.prefill.instances)]
+            pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
             client = SimClient(instances, make_policy(self.router_policy), clock)
             if prefill:
@@ -175,6 +196,7 @@ class SimSetup:
                 await asyncio.gather(*tasks, return_exceptions=True)
             return records, instances + prefill, prefill or instances, clock()
 
+        pools: list[KVPool | None] = []
         wall = time.perf_counter()
         records, instances, computing, virtual = run_virtual(play())
         wall = time.perf_counter() - wall
@@ -189,4 +211,5 @@ class SimSetup:
                 "sim": {"virtual_seconds": virtual, "wall_seconds": wall, "speedup": virtual / wall if wall else 0.0,
                         "steps": len(steps), "mean_step_seconds": sum(steps) / len(steps) if steps else 0.0,
                         "preemptions": sum(i.stats.preemptions for i in instances),
-                        "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0}}
+                        "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0,
+                        "kv_pool_hit_tokens": pools[0].hit_tokens if pools and pools[0] else None}}

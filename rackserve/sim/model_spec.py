@@ -204,7 +204,8 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
         r, "heavily_compressed_attention") for r in c.get("compress_ratios") or []]
     if not types:   # transformers' default schedule: two HCA layers, then HCA and CSA alternating
         types = ["heavily_compressed_attention"] * min(layers, 2) + [
-            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(layers - 2, 0))]
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(layers - 2, 0))]
     csa, hca = types.count("compressed_sparse_attention"), types.count("heavily_compressed_attention")
     sliding = layers - csa - hca
     ih, idim = c["index_n_heads"], c["index_head_dim"]
