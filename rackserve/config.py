@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -77,11 +78,56 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Which KV connector moves this instance's KV to or from others (vLLM's keys)."""
+    kv_connector: str                   # a name in rackserve.kv_transfer's registry
+    kv_role: str = "kv_both"            # "kv_producer" | "kv_consumer" | "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)   # per connector
+    kv_load_failure_policy: str = "recompute"   # a failed load: "recompute" locally | "fail" the request
+    engine_id: str | None = None        # this instance's name to peers; None: a random one
+
+    @classmethod
+    def from_json(cls, value: "str | dict") -> "KVTransferConfig":
+        raw = json.loads(value) if isinstance(value, str) else dict(value)
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-transfer-config takes a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        _require(not unknown, f"unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}")
+        _require("kv_connector" in raw, "kv_transfer_config needs a 'kv_connector'")
+        config = cls(**raw)
+        _require(config.kv_role in ("kv_producer", "kv_consumer", "kv_both"),
+                 f"kv_role={config.kv_role!r}; choose kv_producer, kv_consumer or kv_both")
+        _require(config.kv_load_failure_policy in ("recompute", "fail"),
+                 f"kv_load_failure_policy={config.kv_load_failure_policy!r}; choose recompute or fail")
+        _require(isinstance(config.kv_connector_extra_config, dict), "kv_connector_extra_config is an object")
+        return config
+
+    def resolved(self) -> "KVTransferConfig":
+        """Name this instance and its side channel port once, so its scheduler and workers agree."""
+        import socket
+        import uuid
+        extra = dict(self.kv_connector_extra_config)
+        if not extra.get("side_channel_port"):
+            with socket.socket() as s:
+                s.bind((extra.get("side_channel_host", "127.0.0.1"), 0))
+                extra["side_channel_port"] = s.getsockname()[1]
+        if isinstance(extra.get("connectors"), list):   # MultiConnector's children, resolved alike
+            extra["connectors"] = [
+                {**c, "kv_connector_extra_config": KVTransferConfig(
+                    c.get("kv_connector", "?"), kv_connector_extra_config=c.get("kv_connector_extra_config", {})
+                ).resolved().kv_connector_extra_config} for c in extra["connectors"]]
+        return dataclasses.replace(self, engine_id=self.engine_id or f"rackserve-{uuid.uuid4().hex[:12]}",
+                                   kv_connector_extra_config=extra)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None   # None: this instance moves no KV
 
     def with_model_len(self, model_max_len: int) -> "EngineConfig":
         """Resolve max_model_len once the checkpoint says how long a context it supports."""
@@ -136,6 +182,8 @@ class EngineArgs:
     enable_expert_parallel: bool = _opt(False, "MoE models: shard the experts over all ranks (data x tensor "
                                         "parallel), each token sent to its experts' ranks and back by "
                                         "all-to-all, instead of splitting every expert over the TP group")
+    kv_transfer_config: str | dict | None = _opt(None, "KV connector as JSON (vLLM's keys), e.g. "
+                                                 '{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}')
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -181,7 +229,9 @@ class EngineArgs:
                             self.num_gpu_blocks_override,
                             None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
-        return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device))
+        kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
+        return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
+                            kv_transfer=kv_transfer)
 
     def _parallel_config(self, device: str) -> ParallelConfig:
         tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes

@@ -50,6 +50,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    kv_transfer_params: dict | None = None   # where a decoder finds this request's KV (kv_transfer/)
 
     def add(self, delta: "RequestOutput") -> None:
         """Fold a later delta of the same request into this (cumulative) output."""
@@ -69,3 +70,4 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished = delta.finished
         self.num_cached_tokens = delta.num_cached_tokens
+        self.kv_transfer_params = delta.kv_transfer_params or self.kv_transfer_params

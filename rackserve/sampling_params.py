@@ -38,6 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before penalties
+    # KV connector orders for this request (vLLM's kv_transfer_params): {"do_remote_decode": true}
+    # keeps its prompt's KV for a decoder; {"do_remote_prefill": true, ...} pulls it from a prefiller.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

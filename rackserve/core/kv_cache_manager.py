@@ -65,9 +65,12 @@ class KVCacheManager:
             hit.append(block)
         return PrefixHit(hit, len(hit) * self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT,
+                       delay_caching: bool = False) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and after
         `hit`, a prefix found by get_computed_blocks for a request being admitted).
+        `delay_caching`: the new tokens' KV arrives from elsewhere, so their blocks join the prefix
+        cache only at the request's next allocation, once the KV has landed.
 
         Returns the ids of the blocks appended to the request's block table (the hit's first),
         or None, changing nothing, when too few blocks are free.
@@ -89,9 +92,9 @@ class KVCacheManager:
             num_full = (num_computed + num_new_tokens) // self.block_size
             # At admission the hit blocks are the registered ones.
             num_cached = self.num_cached_blocks.get(request.request_id, len(hit.blocks))
-            if num_full > num_cached:
+            if num_full > num_cached and not delay_caching:
                 self.pool.cache_blocks(blocks, self._update_hashes(request), num_cached, num_full)
-            self.num_cached_blocks[request.request_id] = max(num_full, num_cached)
+            self.num_cached_blocks[request.request_id] = num_cached if delay_caching else max(num_full, num_cached)
         return [b.block_id for b in new_blocks]
 
     def free(self, request: Request) -> None:

@@ -7,6 +7,7 @@ hold torch tensors. The real executor and the simulated executor read and write 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rackserve.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class SchedulerOutput:
     # Requests whose worker state must be dropped: finished, aborted or preempted since the
     # last step. A preempted request comes back later as a NewRequestData.
     finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None   # the KV connector's orders for the workers (kv_transfer/)
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +74,7 @@ class ModelRunnerOutput:
     # Requests this step could not serve (e.g. sampling failed for them alone) -> why. The
     # scheduler ends each with an error; the rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)
+    kv_connector_output: Any = None     # KVConnectorOutput: transfers that ended (kv_transfer/)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [])
@@ -86,6 +89,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None   # where a decoder finds this request's KV
 
     @property
     def finished(self) -> bool:

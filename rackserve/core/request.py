@@ -16,10 +16,11 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6                  # this request alone failed (e.g. sampling); the engine goes on
+    WAITING_FOR_REMOTE_KVS = 3          # blocks allocated, KV arriving through a KV connector
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7                  # this request alone failed (e.g. sampling); the engine goes on
 
     @property
     def finished(self) -> bool:
@@ -53,6 +54,8 @@ class Request:
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
         self.all_token_ids = list(self.prompt_token_ids)
+        # Orders for the KV connector; cleared when a failed load falls back to recompute.
+        self.kv_transfer_params: dict | None = self.sampling_params.kv_transfer_params
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,12 @@ cached prefix while the budget, `max_num_seqs` and free KV blocks allow. When bl
 most recently admitted running request is preempted by recompute: its blocks are freed (its full
 ones stay in the prefix cache) and it waits again at the front of the queue.
 
+With a KV connector (kv_transfer/), a request whose prompt KV comes from elsewhere is admitted into
+WAITING_FOR_REMOTE_KVS: it holds blocks that no other request can hit until the workers report the
+KV landed, then it waits again at the front of the queue (or recomputes, if the load failed). A
+finished request the connector wants to keep for a peer leaves its blocks held until the workers
+report the peer is done with them (or its lease ran out).
+
 This file never imports torch and never touches KV block internals (KVCacheManager owns those).
 """
 from __future__ import annotations
@@ -14,11 +20,13 @@ from __future__ import annotations
 from collections import deque
 
 from rackserve.config import EngineConfig
-from rackserve.core.kv_cache_manager import KVCacheManager
+from rackserve.core.kv_cache_manager import NO_HIT, KVCacheManager
 from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                     NewRequestData, SchedulerOutput)
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.stats import SchedulerStats, sum_expert_token_counts
+from rackserve.core.remote_kv import RemoteKV
+from rackserve.kv_transfer.base import create_kv_connector_scheduler
 
 
 class Scheduler:
@@ -41,6 +49,9 @@ class Scheduler:
         self._in_workers: set[str] = set()        # requests whose state the workers hold
         self._drop_from_workers: set[str] = set()  # to tell the workers in the next step
         self._stats = SchedulerStats()
+        self.connector = create_kv_connector_scheduler(config)
+        self.remote = None if self.connector is None else \
+            RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -48,6 +59,8 @@ class Scheduler:
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                              f"{self.max_model_len}, which must leave room for at least one output token")
+        if self.connector:
+            self.connector.validate_request(request)
         room = self.max_model_len - request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -62,16 +75,26 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif not loading:
                 self.waiting.remove(request)
+                if self.remote is not None:
+                    self.remote.landed.discard(req_id)
             request.status = status
             request.stop_reason = stop_reason
-            self._release(request)
+            if loading:   # the workers still write into its blocks: free them once the load ends
+                del self.requests[req_id]
+            else:
+                self._release(request, may_hold=False)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or (self.remote is not None and self.remote.has_pending_work())
+
+    def has_kv_transfers(self) -> bool:
+        """Blocks held for a peer: the workers must keep stepping to hear when they may go."""
+        return self.remote is not None and self.remote.has_transfers()
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -107,29 +130,44 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            hit = self.kv.get_computed_blocks(request)
-            n = min(request.num_tokens - hit.num_tokens, budget)
+            landed = self.remote is not None and request.request_id in self.remote.landed
+            hit = NO_HIT if landed else self.kv.get_computed_blocks(request)
+            num_external = 0 if landed or not self.connector else \
+                self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+            if num_external:   # its KV arrives through the connector: it waits for it aside
+                if not self.remote.start_load(request, hit, num_external):
+                    break
+                self.waiting.popleft()
+                self._count_lookup(request, hit.num_tokens, external_queries=request.num_tokens - hit.num_tokens)
+                continue
+            start = request.num_computed_tokens if landed else hit.num_tokens
+            n = min(request.num_tokens - start, budget)
             if self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit.num_tokens
+            request.num_computed_tokens = start
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
-            self._stats.prefix_cache_queries += request.num_tokens
-            self._stats.prefix_cache_hits += hit.num_tokens
+            if landed:   # counted when its load started
+                self.remote.landed.discard(request.request_id)
+            else:
+                self._count_lookup(request, hit.num_tokens)
             self.running.append(request)
             new_reqs.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
 
-        output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                                 total_num_scheduled_tokens=sum(num_scheduled.values()),
-                                 finished_req_ids=self._drop_from_workers)
-        self._drop_from_workers = set()
         # The KV of scheduled tokens is computed by the time anyone looks again.
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+            if self.connector:   # told before it builds this step's orders: a store rides this step
+                self.connector.request_scheduled(self.requests[req_id], self.kv.block_ids(self.requests[req_id]))
+        output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                                 total_num_scheduled_tokens=sum(num_scheduled.values()),
+                                 finished_req_ids=self._drop_from_workers,
+                                 kv_connector_metadata=self.connector.build_connector_meta() if self.connector else None)
+        self._drop_from_workers = set()
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -138,6 +176,8 @@ class Scheduler:
         stats.expert_token_counts = sum_expert_token_counts([stats.expert_token_counts,
                                                              runner_output.expert_token_counts])
         outputs = []
+        if self.remote is not None and runner_output.kv_connector_output is not None:
+            outputs = self._update_from_transfers(runner_output.kv_connector_output)
         for req_id, reason in runner_output.failed.items():
             request = self.requests.get(req_id)
             if request is not None and not request.finished:
@@ -154,12 +194,14 @@ class Scheduler:
                 new_tokens.append(token_id)
                 if request.check_stop(self.max_model_len):
                     break
+            kv_transfer_params = None
             if request.finished:
                 self.running.remove(request)
-                self._release(request)
+                kv_transfer_params = self._release(request)
             outputs.append(EngineCoreOutput(
                 req_id, new_tokens, None if logprobs is None else [logprobs],
-                request.status.finish_reason, request.stop_reason, request.num_cached_tokens))
+                request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
+                kv_transfer_params))
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -186,10 +228,32 @@ class Scheduler:
         self._stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _release(self, request: Request) -> None:
-        self.kv.free(request)
+    def _release(self, request: Request, may_hold: bool = True) -> dict | None:
+        """Free a finished request's blocks (or, `may_hold`, let the connector hold them for a
+        peer); returns the connector's kv_transfer_params for the caller."""
+        params = None
+        if self.remote is not None and may_hold:
+            params = self.remote.finish(request)
+        else:
+            self.kv.free(request)
         self._forget_in_workers(request)
         del self.requests[request.request_id]
+        return params
+
+    def _count_lookup(self, request: Request, hit_tokens: int, external_queries: int = 0) -> None:
+        self._stats.prefix_cache_queries += request.num_tokens
+        self._stats.prefix_cache_hits += hit_tokens
+        self._stats.external_prefix_cache_queries += external_queries
+
+    def _update_from_transfers(self, out) -> list[EngineCoreOutput]:
+        """Requeue requests whose KV landed (or must be recomputed); end those whose load failed."""
+        results = self.remote.update(out)
+        self._stats.kv_transfer.add(out.stats)
+        self._stats.external_prefix_cache_hits += results.landed_tokens
+        self.waiting.extendleft(reversed(results.requeue))
+        for request in results.failed:
+            del self.requests[request.request_id]
+        return [EngineCoreOutput(r.request_id, [], None, "error", r.stop_reason, 0) for r in results.failed]
 
     def _forget_in_workers(self, request: Request) -> None:
         if request.request_id in self._in_workers:
@@ -198,5 +262,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        if not self.requests:
+        if not self.requests and not self.has_kv_transfers():
             assert self.kv.usage() == 0.0, "idle but blocks are in use"

@@ -20,6 +20,28 @@ class DPRankStats:
 
 
 @dataclass
+class KVTransferStats:
+    """What a KV connector moved since the last report (kv_transfer/)."""
+    blocks: int = 0                     # KV blocks loaded or stored
+    bytes: int = 0
+    load_seconds: list[float] = field(default_factory=list)    # one per load (a request's blocks)
+    store_seconds: list[float] = field(default_factory=list)   # one per stored block
+    tier_bytes: dict[str, int] = field(default_factory=dict)   # bytes a tier holds now, by tier
+
+    def add(self, other: "KVTransferStats | None") -> None:
+        if other is not None:
+            self.blocks += other.blocks
+            self.bytes += other.bytes
+            self.load_seconds += other.load_seconds
+            self.store_seconds += other.store_seconds
+            self.tier_bytes.update(other.tier_bytes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.blocks or self.load_seconds or self.store_seconds or self.tier_bytes)
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -27,6 +49,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0          # of which found cached
     num_preemptions: int = 0            # preemptions this step
+    external_prefix_cache_queries: int = 0   # prompt tokens asked of the KV connector this step
+    external_prefix_cache_hits: int = 0      # of which it loads from elsewhere
+    kv_transfer: KVTransferStats = field(default_factory=KVTransferStats)
     dp_ranks: list[DPRankStats] = field(default_factory=list)   # by DP rank; set by the engine core
     # MoE models: (token, expert) pairs routed to each global expert this step, summed over layers.
     expert_token_counts: list[int] | None = None

@@ -108,6 +108,11 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
+                if not self.engine.has_unfinished_requests() and self.engine.core.has_kv_transfers():
+                    self.engine.step()   # no request, but peers' transfers to hear about
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+                    continue
                 if not self.engine.has_unfinished_requests():
                     self.engine.record_idle_stats()
                     self._wake.wait()

@@ -9,6 +9,8 @@ only: no text, no tokenizer, no HTTP, no threads. The same class runs a real mod
 """
 from __future__ import annotations
 
+import time
+
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from rackserve.core.request import Request, RequestStatus
@@ -61,9 +63,15 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return any(s.has_unfinished_requests() for s in self.schedulers)
 
+    def has_kv_transfers(self) -> bool:
+        """KV held for or arriving from peers: steps must go on to hear when transfers end."""
+        return any(s.has_kv_transfers() for s in self.schedulers)
+
     def step(self) -> tuple[list[EngineCoreOutput], SchedulerStats]:
         scheduler_outputs = [s.schedule() for s in self.schedulers]
         runner_outputs = self.executor.execute_dp(scheduler_outputs)
+        if all(so.is_empty for so in scheduler_outputs) and self.has_kv_transfers():
+            time.sleep(0.002)   # only waiting on KV transfers: poll, do not spin a core
         outputs = [out for s, so, ro in zip(self.schedulers, scheduler_outputs, runner_outputs)
                    for out in s.update_from_output(so, ro)]
         return outputs, self.make_stats(runner_outputs)

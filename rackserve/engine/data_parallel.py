@@ -12,7 +12,7 @@ from typing import Callable
 
 from rackserve.core.request import Request
 from rackserve.core.scheduler import Scheduler
-from rackserve.core.stats import DPRankStats, SchedulerStats, sum_expert_token_counts
+from rackserve.core.stats import DPRankStats, KVTransferStats, SchedulerStats, sum_expert_token_counts
 
 # (every DP rank's scheduler, the new request) -> the DP rank that takes it.
 DPPlacement = Callable[[Sequence[Scheduler], Request], int]
@@ -40,9 +40,19 @@ def merge_dp_stats(per_rank: Sequence[SchedulerStats], num_kv_blocks: Sequence[i
         kv_cache_usage=sum(s.kv_cache_usage * n for s, n in zip(per_rank, num_kv_blocks)) / sum(num_kv_blocks),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in per_rank),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in per_rank),
+        external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in per_rank),
+        external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in per_rank),
+        kv_transfer=_sum_kv_transfer(s.kv_transfer for s in per_rank),
         num_preemptions=sum(s.num_preemptions for s in per_rank),
         expert_token_counts=sum_expert_token_counts(s.expert_token_counts for s in per_rank),
         dp_ranks=[DPRankStats(s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage, busy,
                               slowest - busy if measured else 0.0)   # type: ignore[operator]
                   for s, busy in zip(per_rank, busy_seconds)],
     )
+
+
+def _sum_kv_transfer(parts) -> KVTransferStats:
+    total = KVTransferStats()
+    for part in parts:
+        total.add(part)
+    return total

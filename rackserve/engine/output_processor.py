@@ -132,6 +132,7 @@ class OutputProcessor:
             ro.outputs.append(completion)
             ro.finished = parent.num_unfinished == 0
             ro.num_cached_tokens = parent.num_cached_tokens
+            ro.kv_transfer_params = out.kv_transfer_params or ro.kv_transfer_params
             if ro.finished:
                 parent.metrics.finished_time = now
         return ProcessedOutputs(list(by_parent.values()), stops, stats, errors)

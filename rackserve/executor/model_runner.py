@@ -14,6 +14,7 @@ zero tokens, so that its peers' collectives match.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.kv_transfer.base import TPTransferReports, create_kv_connector_worker
 from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_kv_cache, get_attn_backend,
                                       model_kv_cache_spec)
 from rackserve.model.loader import load_model
@@ -92,6 +94,9 @@ class ModelRunner:
         # A forward that meets ranks of other DP ranks in collectives (experts sharded across DP
         # ranks) must run even with no tokens, or the peers' collectives would never match.
         self.forward_when_idle = self.groups.ep.world_size > self.groups.tp.world_size
+        # Moves this rank's KV shard to and from peers (kv_transfer/); None without --kv-transfer-config.
+        self.kv_connector = create_kv_connector_worker(config, self.kv_cache, self.groups.tp.rank_in_group)
+        self.transfer_reports = TPTransferReports(self.groups.tp.world_size)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -106,6 +111,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is None:
+            return self._execute_model(scheduler_output)
+        # Loads run in the connector's threads, into blocks no scheduled request touches.
+        self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = self._execute_model(scheduler_output)
+        self.kv_connector.save_kv(scheduler_output.kv_connector_metadata)
+        transfers = self.kv_connector.get_finished()
+        if self.groups.tp.world_size > 1:   # a transfer ends when every rank moved its shard
+            parts = self.groups.tp.gather_object(transfers)
+            if parts is None:
+                return output   # not the first rank: the engine reads only the first rank's output
+            transfers = self.transfer_reports.combine(parts)
+        if transfers.is_empty:
+            return output
+        return dataclasses.replace(output, kv_connector_output=transfers)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty and not self.forward_when_idle:
             return EMPTY_MODEL_RUNNER_OUTPUT

@@ -32,4 +32,6 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         # Dropping the runner frees the model and the KV cache.
+        if self.runner is not None:
+            self.runner.shutdown()
         self.runner = None

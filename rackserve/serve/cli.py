@@ -37,7 +37,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {}
 # that defines subcommands (say rackserve.bench.cli) adds its name here.
 COMMAND_MODULES: tuple[str, ...] = ("rackserve.bench.offline", "rackserve.bench.serve_bench", "rackserve.bench.plot",
                                    "rackserve.bench.forward", "rackserve.serve.worker_cli", "rackserve.bench.gate",
-                                   "rackserve.bench.comm", "rackserve.bench.overload", "rackserve.sim.cli")
+                                   "rackserve.bench.comm", "rackserve.bench.overload", "rackserve.sim.cli",
+                                   "rackserve.router.pd_proxy", "rackserve.kv_transfer.pool_cli",
+                                   "rackserve.bench.kv_transfer_bench")
 
 
 def register_subcommand(name: str, help: str, add_args: Callable[[argparse.ArgumentParser], object]):

@@ -45,6 +45,19 @@ class PrometheusStatLogger(StatLogger):
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # KV connectors (kv_transfer/): prompt tokens asked of the connector and found through it.
+        self.external_prefix_cache_queries = counter("external_prefix_cache_queries",
+                                                     "Prompt tokens looked up through the KV connector.")
+        self.external_prefix_cache_hits = counter("external_prefix_cache_hits",
+                                                  "Prompt tokens loaded through the KV connector.")
+        self.kv_transfer_blocks = counter("kv_transfer_blocks", "KV blocks a KV connector loaded or stored.")
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Bytes a KV connector loaded or stored.")
+        self.kv_transfer_load_seconds = histogram("kv_transfer_load_seconds", "Time to load one request's "
+                                                  "blocks through a KV connector.", ITL_BUCKETS)
+        self.kv_transfer_store_seconds = histogram("kv_transfer_store_seconds", "Time to store one block "
+                                                   "through a KV connector.", ITL_BUCKETS)
+        self.kv_offload_tier_bytes = Gauge(PREFIX + "kv_offload_tier_bytes", "Bytes a KV offload tier holds.",
+                                           labels + ["tier"], registry=self.registry)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV cache.")
@@ -86,10 +99,22 @@ class PrometheusStatLogger(StatLogger):
         for counter, value in ((self.prefix_cache_queries, scheduler_stats.prefix_cache_queries),
                                (self.prefix_cache_hits, scheduler_stats.prefix_cache_hits),
                                (self.num_preemptions, scheduler_stats.num_preemptions),
+                               (self.external_prefix_cache_queries, scheduler_stats.external_prefix_cache_queries),
+                               (self.external_prefix_cache_hits, scheduler_stats.external_prefix_cache_hits),
                                (self.prompt_tokens, iteration_stats.num_prompt_tokens),
                                (self.generation_tokens, iteration_stats.num_generation_tokens)):
             if value > 0:
                 counter.inc(value)
+        moved = scheduler_stats.kv_transfer
+        if moved.blocks > 0:
+            self.kv_transfer_blocks.inc(moved.blocks)
+            self.kv_transfer_bytes.inc(moved.bytes)
+        for seconds in moved.load_seconds:
+            self.kv_transfer_load_seconds.observe(seconds)
+        for seconds in moved.store_seconds:
+            self.kv_transfer_store_seconds.observe(seconds)
+        for tier, held in moved.tier_bytes.items():
+            self.kv_offload_tier_bytes.labels(self.model_name, tier).set(held)
         for ttft in iteration_stats.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in iteration_stats.inter_token_latencies:

@@ -50,6 +50,7 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: requests with different salts never share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1)
+    kv_transfer_params: dict[str, Any] | None = None   # vLLM's P/D orders (kv_transfer/)
 
     def unsupported(self) -> str | None:
         """The name of a field set to something this server cannot honour, if any."""
@@ -70,7 +71,8 @@ class SamplingRequest(OpenAIBaseModel):
             stop=given(self.stop, []), stop_token_ids=given(self.stop_token_ids, []),
             ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias=self._logit_bias())
+            logit_bias=self._logit_bias(),
+            kv_transfer_params=self.kv_transfer_params)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
@@ -188,6 +190,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None   # a prefiller's answer: where its KV waits
 
 
 class ChatTopLogprob(OpenAIBaseModel):
@@ -224,6 +227,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None   # a prefiller's answer: where its KV waits
 
 
 class DeltaMessage(OpenAIBaseModel):

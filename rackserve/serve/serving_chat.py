@@ -65,12 +65,14 @@ class OpenAIServingChat(OpenAIServing):
                        top_k: int) -> ChatCompletionResponse:
         choices: dict[int, ChoiceState] = {}
         usage = UsageCounter()
+        kv_transfer_params = None
         async for p, out in streams:
             usage.add(p, out)
+            kv_transfer_params = out.kv_transfer_params or kv_transfer_params
             for delta in out.outputs:
                 choices.setdefault(delta.index, ChoiceState()).add(delta)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, usage=usage.info(),
+            id=request_id, model=self.model_name, usage=usage.info(), kv_transfer_params=kv_transfer_params,
             choices=[ChatCompletionResponseChoice(
                 index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,

@@ -44,13 +44,15 @@ class OpenAIServingCompletion(OpenAIServing):
         choices: dict[int, ChoiceState] = {}
         prompt_ids: dict[int, list[int]] = {}
         usage = UsageCounter()
+        kv_transfer_params = None
         async for p, out in streams:
             usage.add(p, out)
             prompt_ids[p] = out.prompt_token_ids
+            kv_transfer_params = out.kv_transfer_params or kv_transfer_params
             for delta in out.outputs:
                 choices.setdefault(p * n + delta.index, ChoiceState()).add(delta)
         return CompletionResponse(
-            id=request_id, model=self.model_name, usage=usage.info(),
+            id=request_id, model=self.model_name, usage=usage.info(), kv_transfer_params=kv_transfer_params,
             choices=[CompletionResponseChoice(
                 index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                 logprobs=self._logprobs(c.token_ids, c.logprobs, 0) if c.logprobs else None,

@@ -1,0 +1,149 @@
+"""MooncakeStoreConnector: a KV pool shared by every instance, on Mooncake's distributed store
+(`rackserve kv-pool` starts its master; `kv_connector_extra_config.master_server_address` names it).
+
+Blocks are stored under `rackserve@<KV fingerprint>@tp<rank>@<block hash>` (core/hashing.py and
+kv_transfer/fingerprint.py), so a prefix any instance computed is a hit on every other that would
+compute the same bytes, and never on one with another model. Full blocks are stored as they are
+computed: the step copies them to host memory and a background thread puts them, so the step never
+waits on the store. On admission the scheduler asks the store for the longest run of stored blocks
+after the local prefix hit; the workers get them before the request runs. A pool that is gone or
+a block evicted meanwhile is a miss or a failed load (recomputed by default), never wrong tokens.
+
+The scheduler half keeps its own store client (lookups only, no torch); the worker half owns the
+client that contributes memory to the pool and the transfer thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rackserve.config import EngineConfig
+from rackserve.core.request import Request
+from rackserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
+from rackserve.kv_transfer.fingerprint import kv_fingerprint
+from rackserve.kv_transfer.offloading_connector import OffloadingConnectorScheduler, OffloadingMetadata
+
+
+def store_key(fingerprint: str, tp_rank: int, block_hash: int) -> str:
+    return f"rackserve@{fingerprint}@tp{tp_rank}@{block_hash:016x}"
+
+
+def open_store(config: EngineConfig, segment_bytes: int) -> Any:
+    """A client of the pool named in kv_connector_extra_config, contributing `segment_bytes`."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError("MooncakeStoreConnector needs Mooncake: pip install mooncake-transfer-engine-non-cuda "
+                          f"(see README, KV transfer): {e}") from e
+    extra = config.kv_transfer.kv_connector_extra_config
+    if "master_server_address" not in extra:
+        raise ValueError("MooncakeStoreConnector needs kv_connector_extra_config.master_server_address "
+                         "(what `rackserve kv-pool` prints)")
+    store = MooncakeDistributedStore()
+    status = store.setup(extra.get("local_hostname", "127.0.0.1"), extra.get("metadata_server", "P2PHANDSHAKE"),
+                         segment_bytes, int(extra.get("local_buffer_size", 16 << 20)), extra.get("protocol", "tcp"),
+                         extra.get("device_name", ""), extra["master_server_address"])
+    if status != 0:
+        raise RuntimeError(f"could not join the Mooncake pool at {extra['master_server_address']} (status {status})")
+    return store
+
+
+class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
+    """Decides stores as the offloading tier does; looks hits up in the shared store."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.fingerprint = kv_fingerprint(config)
+        self.store = open_store(config, 0)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        first, last = num_computed_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[first:last]
+        if not hashes:
+            return 0
+        found = self.store.batch_is_exist([store_key(self.fingerprint, 0, h) for h in hashes])
+        n = 0
+        for exists in found:   # 1: stored, 0: not, -1: the pool did not answer (a miss too)
+            if exists != 1:
+                break
+            n += 1
+        return n * self.block_size
+
+
+class MooncakeStoreConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
+        super().__init__(config, kv_cache, tp_rank)
+        extra = config.kv_transfer.kv_connector_extra_config
+        self.store = open_store(config, int(extra.get("global_segment_size", 256 << 20)))
+        self.fingerprint = kv_fingerprint(config)
+        block = kv_cache[:, :, 0]
+        self.block_shape, self.dtype = tuple(block.shape), block.dtype
+        self.block_bytes = block.numel() * block.element_size()
+        self._lock = threading.Lock()
+        self._out = KVConnectorOutput()
+        # One thread: the store's client sees one call at a time, puts and gets in order.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
+
+    def _key(self, block_hash: int) -> str:
+        return store_key(self.fingerprint, self.tp_rank, block_hash)
+
+    def start_load_kv(self, metadata: OffloadingMetadata | None) -> None:
+        for req_id, pairs in (metadata.loads.items() if metadata else ()):
+            self._thread.submit(self._load, req_id, pairs)
+
+    def _load(self, req_id: str, pairs: list[tuple[int, int]]) -> None:
+        import torch
+        start = time.monotonic()
+        ok = True
+        try:
+            for block_hash, block_id in pairs:
+                data = self.store.get(self._key(block_hash))
+                if len(data) != self.block_bytes:   # evicted meanwhile, or the pool is gone
+                    ok = False
+                    break
+                block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+                self.kv_cache[:, :, block_id].copy_(block)
+        except Exception:   # noqa: BLE001 - a failed load; the scheduler recomputes or fails it
+            ok = False
+        with self._lock:
+            (self._out.finished_recving if ok else self._out.failed_recving).add(req_id)
+            if ok:
+                self._out.stats.blocks += len(pairs)
+                self._out.stats.bytes += len(pairs) * self.block_bytes
+                self._out.stats.load_seconds.append(time.monotonic() - start)
+
+    def save_kv(self, metadata: OffloadingMetadata | None) -> None:
+        """Copy the step's new full blocks out now (their blocks may be reused next step); put
+        them from the store thread."""
+        import torch
+        for block_hash, block_id in (metadata.stores if metadata else ()):
+            data = self.kv_cache[:, :, block_id].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            self._thread.submit(self._put, block_hash, data)
+
+    def _put(self, block_hash: int, data: bytes) -> None:
+        start = time.monotonic()
+        try:
+            status = self.store.put(self._key(block_hash), data)
+        except Exception:   # noqa: BLE001 - a store that failed is a block not pooled, nothing worse
+            return
+        if status == 0:
+            with self._lock:
+                self._out.stored_hashes.append(block_hash)
+                self._out.stats.blocks += 1
+                self._out.stats.bytes += len(data)
+                self._out.stats.store_seconds.append(time.monotonic() - start)
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            out, self._out = self._out, KVConnectorOutput()
+        return out
+
+    def wait_for_stores(self) -> None:
+        """Block until every put so far is done (tests and benchmarks; the step never calls it)."""
+        self._thread.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        self.store.close()

@@ -1,0 +1,1 @@
+"""The cluster face: picks instances for requests and orchestrates prefill/decode."""

@@ -1,0 +1,112 @@
+"""`rackserve proxy`: the prefill/decode front. An OpenAI-compatible server that sends each request
+to a prefiller with max_tokens=1 and `kv_transfer_params: {"do_remote_decode": true}`, then the
+same request to a decoder with the prefiller's returned kv_transfer_params, and relays the
+decoder's answer (streamed or whole; its usage counts the whole request, since the decoder holds
+the whole prompt). Prefillers and decoders are each picked round-robin; the KV-aware router
+replaces that choice later.
+
+This file owns the two-hop request flow only. It never touches KV (the instances' KV connectors
+move it) and never imports torch or the engine.
+"""
+import argparse
+import itertools
+from typing import Any
+
+from rackserve.serve.cli import register_subcommand
+
+PREFILL_TIMEOUT_S = 600.0
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as a prefiller gets it: one token, whole, one sample, KV kept for a decoder."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    return out
+
+
+def build_app(prefill_urls: list[str], decode_urls: list[str]):
+    # This module has no `from __future__ import annotations`: FastAPI reads the handlers'
+    # annotations as objects, and Request is imported here, not at module level.
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    prefillers, decoders = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=10.0))
+    app = FastAPI(title="rackserve P/D proxy")
+
+    async def two_hops(path: str, request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error",
+                                           "code": 400}}, status_code=400)
+        prefill = await client.post(next(prefillers) + path, json=prefill_body(body))
+        if prefill.status_code != 200:   # a bad request is the prefiller's to refuse, as is
+            return Response(prefill.content, prefill.status_code, media_type="application/json")
+        decode_body = dict(body, kv_transfer_params=prefill.json().get("kv_transfer_params"))
+        url = next(decoders) + path
+        if not body.get("stream"):
+            decode = await client.post(url, json=decode_body)
+            return Response(decode.content, decode.status_code, media_type="application/json")
+        upstream = await client.send(client.build_request("POST", url, json=decode_body), stream=True)
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, upstream.status_code, media_type="application/json")
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await two_hops("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await two_hops("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        reply = await client.get(decode_urls[0] + "/v1/models")
+        return Response(reply.content, reply.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        for url in prefill_urls + decode_urls:
+            try:
+                if (await client.get(url + "/health", timeout=5.0)).status_code != 200:
+                    return Response(status_code=503)
+            except httpx.TransportError:
+                return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.on_event("shutdown")
+    async def close_client() -> None:
+        await client.aclose()
+
+    return app
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
+                        help="a prefill instance (rackserve serve with a KV connector); repeat for more")
+    parser.add_argument("--decode", action="append", required=True, metavar="URL",
+                        help="a decode instance; repeat for more")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+@register_subcommand("proxy", "prefill/decode disaggregation front: prefill on one instance, decode on another",
+                     _add_args)
+def _proxy(args: argparse.Namespace) -> None:
+    import uvicorn
+    strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
+    uvicorn.run(build_app(*strip), host=args.host, port=args.port, log_level=args.uvicorn_log_level)

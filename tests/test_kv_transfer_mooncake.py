@@ -1,0 +1,159 @@
+"""MooncakeConnector in one process: a prefiller LLM and a decoder LLM, each with its own Mooncake
+transfer engine and side channel, give the same greedy tokens as one LLM doing both, for the
+standard K/V layout, MLA's latent cache and a 16-bit KV cache; leases, load failures and
+mismatched layouts end in a completed request or a clear error, with no block leaked."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rackserve import LLM, SamplingParams
+
+
+def _llm(path: str, role: str | None, **extra) -> LLM:
+    config = None if role is None else {"kv_connector": "MooncakeConnector", "kv_role": role,
+                                        "kv_connector_extra_config": extra.pop("connector", {}),
+                                        **extra.pop("transfer", {})}
+    return LLM(path, dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=64,
+               block_size=4, kv_transfer_config=config, **extra)
+
+
+def _drain(llm: LLM, timeout: float = 10.0) -> None:
+    """Step until no KV is held for or arriving from a peer."""
+    deadline = time.monotonic() + timeout
+    while llm.engine.core.has_kv_transfers():
+        assert time.monotonic() < deadline, "KV transfers never ended"
+        llm.engine.step()
+
+
+def _prefill_then_decode(prefiller: LLM, decoder: LLM, prompt: list[int], max_tokens: int, n: int = 1):
+    [pre] = prefiller.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    params = pre.kv_transfer_params
+    assert params and params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt)
+    [out] = decoder.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, n=n, kv_transfer_params=params))
+    return out
+
+
+PROMPTS = [[1], [5, 6, 7, 8, 9, 10, 11, 12], [3 + (i * 7) % 500 for i in range(23)]]
+
+
+@pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),
+                                                          ("tiny_llama_dir", "bfloat16")])
+def test_disaggregated_greedy_tokens_match_one_instance(request, model_fixture, kv_cache_dtype):
+    path = request.getfixturevalue(model_fixture)
+    opts = {"kv_cache_dtype": kv_cache_dtype}
+    with _llm(path, None, **opts) as single, _llm(path, "kv_producer", **opts) as prefiller, \
+            _llm(path, "kv_consumer", **opts) as decoder:
+        for prompt in PROMPTS:
+            want = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=6, n=2))
+            got = _prefill_then_decode(prefiller, decoder, prompt, 6, n=2)
+            assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want[0].outputs]
+            # Every prompt token but the last arrived from the prefiller (minus what was cached here).
+            assert got.num_cached_tokens == len(prompt) - 1 or len(prompt) == 1
+        stats = decoder.engine.core.make_stats()
+        _drain(prefiller)
+        _drain(decoder)
+        prefiller.engine.core.check_integrity()
+        decoder.engine.core.check_integrity()
+        assert prefiller.engine.core.scheduler.kv.usage() == 0.0
+        assert stats is not None
+
+
+DEAD_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "r0",
+               "remote_block_ids": list(range(8)), "remote_host": "127.0.0.1", "remote_num_tokens": 23}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_recomputes_or_fails_as_told(tiny_llama_dir, policy):
+    from rackserve.distributed.parallel_state import free_port
+    prompt = PROMPTS[2]
+    params = {**DEAD_PARAMS, "remote_port": free_port()}   # nobody listens there
+    with _llm(tiny_llama_dir, None) as single, _llm(tiny_llama_dir, "kv_consumer", connector={"transfer_timeout": 1.0},
+                                                  transfer={"kv_load_failure_policy": policy}) as decoder:
+        [want] = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=5))
+        [got] = decoder.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0.0, max_tokens=5, kv_transfer_params=params))
+        if policy == "recompute":
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.num_cached_tokens == 0
+        else:
+            assert got.outputs[0].token_ids == [] and got.outputs[0].finish_reason == "error"
+            assert got.outputs[0].stop_reason == "kv_load_failed"
+        _drain(decoder)
+        decoder.engine.core.check_integrity()
+        assert decoder.engine.core.scheduler.kv.usage() == 0.0
+
+
+def test_a_producer_with_another_kv_layout_is_refused_and_its_lease_frees_the_blocks(tiny_llama_dir):
+    """A bfloat16 KV cache cannot feed a float32 one (a restarted instance with another model or
+    dtype, say): the decoder recomputes, and the producer's blocks go when the lease runs out."""
+    prompt = PROMPTS[2]
+    with _llm(tiny_llama_dir, None) as single, \
+            _llm(tiny_llama_dir, "kv_producer", kv_cache_dtype="bfloat16", connector={"lease_seconds": 0.5}) as pre, \
+            _llm(tiny_llama_dir, "kv_consumer") as decoder:
+        [want] = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=5))
+        got = _prefill_then_decode(pre, decoder, prompt, 5)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.num_cached_tokens == 0
+        assert pre.engine.core.scheduler.kv.usage() > 0   # held for a decoder that will never pull
+        _drain(pre)
+        _drain(decoder)
+        for llm in (pre, decoder):
+            llm.engine.core.check_integrity()
+            assert llm.engine.core.scheduler.kv.usage() == 0.0
+
+
+def test_smollm2_chats_disaggregated_match_one_instance(smollm2_gguf):
+    """Real weights: SmolLM2-135M chats, prefilled on one instance and decoded on another, give the
+    tokens the prefiller gives alone (run after, so the pull saw none of its own cache)."""
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]]
+    kw = dict(dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=64, block_size=16)
+    with LLM(smollm2_gguf, kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"},
+             **kw) as prefiller, \
+            LLM(smollm2_gguf, kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"},
+                **kw) as decoder:
+        firsts = prefiller.chat(chats, SamplingParams(temperature=0.0, max_tokens=1,
+                                                      kv_transfer_params={"do_remote_decode": True}))
+        got = decoder.chat(chats, [SamplingParams(temperature=0.0, max_tokens=12, kv_transfer_params=f.kv_transfer_params)
+                                   for f in firsts])
+        want = prefiller.chat(chats, SamplingParams(temperature=0.0, max_tokens=12))
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.num_cached_tokens == len(g.prompt_token_ids) - 1
+        _drain(prefiller)
+        prefiller.engine.core.check_integrity()
+        decoder.engine.core.check_integrity()
+
+
+def test_a_producer_of_another_model_with_the_same_geometry_is_refused(tiny_llama_dir, tiny_llama3_rope_dir):
+    """Same layers, heads and dtype, other weights (the KV fingerprint differs): never reused."""
+    prompt = PROMPTS[2]
+    with _llm(tiny_llama3_rope_dir, "kv_producer", connector={"lease_seconds": 0.5}) as pre, \
+            _llm(tiny_llama_dir, "kv_consumer") as decoder:
+        got = _prefill_then_decode(pre, decoder, prompt, 5)
+        [want] = decoder.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=5))
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.num_cached_tokens == 0
+        _drain(pre)
+        pre.engine.core.check_integrity()
+        decoder.engine.core.check_integrity()
+
+
+def test_tensor_parallel_instances_move_each_ranks_shard(tiny_llama_dir):
+    """TP=2 prefiller and TP=2 decoder (rank r pulls rank r's KV heads) give one TP=1 instance's tokens."""
+    prompt = PROMPTS[2]
+    with _llm(tiny_llama_dir, None) as single:
+        [want] = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=6))
+    with _llm(tiny_llama_dir, "kv_producer", tensor_parallel_size=2) as pre, \
+            _llm(tiny_llama_dir, "kv_consumer", tensor_parallel_size=2) as decoder:
+        got = _prefill_then_decode(pre, decoder, prompt, 6)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.num_cached_tokens == len(prompt) - 1
+        _drain(pre)
+        pre.engine.core.check_integrity()
+        decoder.engine.core.check_integrity()
+        assert pre.engine.core.scheduler.kv.usage() == 0.0

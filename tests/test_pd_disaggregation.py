@@ -1,0 +1,181 @@
+"""Prefill/decode disaggregation end to end: a prefill server and a decode server (real processes,
+MooncakeConnector over TCP), `rackserve proxy` in front, the official `openai` client: greedy tokens
+identical to one instance (the prefiller serving the request alone, after the disaggregated run,
+so the pull saw none of it), streamed or not, n > 1, a one-token prompt and prompts of
+several blocks plus a partial one; the prefiller's blocks are freed once pulled, or when the lease
+runs out; a prefiller killed before the decoder pulls leaves a request that still completes.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rackserve.distributed.parallel_state import free_port
+from tests.server_utils import start_server
+from tests.tiny_models import build_tiny_model
+from tests.tokenizer_utils import save_test_tokenizer
+
+MODEL = "tiny"
+VOCAB = 512
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+LEASE_S = 3.0
+
+
+def _kv_config(role: str, **extra) -> str:
+    return json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"lease_seconds": LEASE_S, "transfer_timeout": 5.0, **extra}})
+
+
+def _start_proxy(prefill: str, decode: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "proxy", "--prefill", prefill,
+                                 "--decode", decode, "--port", str(port), "--uvicorn-log-level", "warning"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"proxy did not come up:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd")
+    model_dir = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=512)
+    save_test_tokenizer(str(root / "tokenizer"), VOCAB)
+    base = ["--model", model_dir, "--tokenizer", str(root / "tokenizer"), "--served-model-name", MODEL,
+            "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", "4"]
+    procs = []
+    try:
+        urls = {}
+        for name, extra in (("prefill", ["--kv-transfer-config", _kv_config("kv_producer")]),
+                            ("decode", ["--kv-transfer-config", _kv_config("kv_consumer")])):
+            proc, urls[name] = start_server(base + extra, root / f"{name}.log")
+            procs.append(proc)
+        proc, urls["proxy"] = _start_proxy(urls["prefill"], urls["decode"], root / "proxy.log")
+        procs.append(proc)
+        yield {**urls, "base": base, "root": root}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            finally:
+                proc.kill()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def _wait_kv_free(url: str, timeout: float) -> float:
+    """Seconds until the instance holds no KV block."""
+    start = time.monotonic()
+    while _metrics(url)["rackserve:kv_cache_usage_perc"] > 0:
+        assert time.monotonic() - start < timeout, "KV blocks were never freed"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+PROMPTS = [[7], list(range(10, 21)), "def fibonacci(n):\n    if n <"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["one_token", "blocks_plus_partial", "text"])
+def test_completions_through_the_proxy_match_one_instance(cluster, prompt):
+    got = _client(cluster["proxy"]).completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2,
+                                                       logprobs=1, **GREEDY)
+    want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=prompt, max_tokens=8, n=2,
+                                                          logprobs=1, **GREEDY)
+    assert [c.logprobs.tokens for c in got.choices] == [c.logprobs.tokens for c in want.choices]
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.usage.completion_tokens == want.usage.completion_tokens == 16
+
+
+def test_streamed_chat_through_the_proxy_matches_one_instance(cluster):
+    messages = [{"role": "user", "content": "Tell me about the sea and the ships upon it."}]
+    stream = _client(cluster["proxy"]).chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                               stream=True, stream_options={"include_usage": True},
+                                                               **GREEDY)
+    chunks = list(stream)
+    want = _client(cluster["prefill"]).chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
+    # The decoder loaded all but the last prompt token through the connector.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want.usage.prompt_tokens - 1
+    decoder = _metrics(cluster["decode"])
+    assert decoder["rackserve:external_prefix_cache_hits_total"] > 0
+    assert decoder["rackserve:external_prefix_cache_queries_total"] >= decoder["rackserve:external_prefix_cache_hits_total"]
+    assert decoder["rackserve:kv_transfer_blocks_total"] > 0 and decoder["rackserve:kv_transfer_bytes_total"] > 0
+    assert decoder["rackserve:kv_transfer_load_seconds_count"] > 0
+    # Pulled blocks are released at once, long before the lease would run out.
+    assert _wait_kv_free(cluster["prefill"], LEASE_S) < LEASE_S
+
+
+def test_a_decoder_that_never_comes_frees_the_blocks_at_lease_end(cluster):
+    reply = httpx.post(f"{cluster['prefill']}/v1/completions", json={
+        "model": MODEL, "prompt": list(range(30, 60)), "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = reply["kv_transfer_params"]
+    assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 8
+    assert _metrics(cluster["prefill"])["rackserve:kv_cache_usage_perc"] > 0
+    assert _wait_kv_free(cluster["prefill"], LEASE_S + 5) > LEASE_S / 2
+    # A decoder that comes too late recomputes: the request completes with the right tokens.
+    want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=list(range(30, 60)), max_tokens=5,
+                                                         **GREEDY)
+    late = _client(cluster["decode"]).completions.create(
+        model=MODEL, prompt=list(range(30, 60)), max_tokens=5, temperature=0.0,
+        extra_body={"ignore_eos": True, "kv_transfer_params": params})
+    assert late.choices[0].text == want.choices[0].text
+
+
+def test_prefiller_killed_before_the_pull_still_completes(cluster):
+    root = cluster["root"]
+    proc, url = start_server(cluster["base"] + ["--kv-transfer-config", _kv_config("kv_producer")],
+                             root / "doomed.log")
+    try:
+        prompt = list(range(100, 130))
+        params = httpx.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    finally:
+        proc.kill()   # SIGKILL: no goodbye on the side channel
+        proc.wait(timeout=30)
+    want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY)
+    got = _client(cluster["decode"]).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
+        extra_body={"ignore_eos": True, "kv_transfer_params": params})
+    assert got.choices[0].text == want.choices[0].text
+    _wait_kv_free(cluster["decode"], 10)
+
+
+def test_bad_kv_transfer_params_get_a_400(cluster):
+    resp = httpx.post(f"{cluster['decode']}/v1/completions", json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert resp.status_code == 400 and "lacks" in resp.json()["error"]["message"]
+    assert httpx.get(f"{cluster['decode']}/health").status_code == 200
