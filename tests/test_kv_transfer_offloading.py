@@ -71,5 +71,6 @@ def test_a_bounded_disk_forgets_its_oldest_blocks(tiny_llama_dir, tmp_path):
         _evict_then_rerun(llm)
         worker = llm.engine.core.executor.runner.kv_connector
         assert worker.usage() == (2 * TINY_BLOCK_BYTES, 6 * TINY_BLOCK_BYTES)
-        assert len(list((tmp_path / next(p.name for p in tmp_path.iterdir())).iterdir())) == 6
+        [rank_dir] = tmp_path.glob("*/tp0")   # <KV fingerprint>/<TP rank>
+        assert len(list(rank_dir.iterdir())) == 6
         llm.engine.core.check_integrity()
