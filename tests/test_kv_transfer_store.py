@@ -5,6 +5,7 @@ killed, requests still complete with the right tokens."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -103,11 +104,24 @@ def test_multi_connector_disaggregates_and_pools_at_once(pool, tiny_llama_dir, w
         dec.engine.core.check_integrity()
 
 
+def _wait_closed(address: str, timeout: float = 15.0) -> None:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, "the pool master is still listening"
+        time.sleep(0.1)
+
+
 def test_a_dead_pool_master_costs_hits_not_answers(pool, tiny_llama_dir, want):
     proc, address = pool
     with _llm(tiny_llama_dir, _store(address)) as llm:
-        proc.kill()   # SIGKILL the master
+        proc.kill()   # SIGKILL `rackserve kv-pool`: its master dies with it
         proc.wait(timeout=10)
+        _wait_closed(address)
         [out] = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
         assert out.outputs[0].token_ids == want
         llm.engine.core.check_integrity()
