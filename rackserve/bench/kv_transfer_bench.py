@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     from rackserve.bench.limits import measure_limits
-    from rackserve.kv_transfer.mooncake_connector import LoadOrder, MooncakeConnectorMetadata, MooncakeConnectorWorker
+    from rackserve.kv_transfer.mooncake_connector import LoadOrder, MooncakeConnectorMetadata
+    from rackserve.kv_transfer.mooncake_worker import MooncakeConnectorWorker
     from rackserve.kv_transfer.mooncake_store_connector import MooncakeStoreConnectorWorker
     from rackserve.kv_transfer.offloading_connector import OffloadingMetadata
     from rackserve.kv_transfer.pool_cli import master_command

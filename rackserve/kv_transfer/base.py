@@ -109,11 +109,12 @@ class KVConnectorWorker(ABC):
         """Stop threads and servers; safe to call twice."""
 
 
-# name -> (module, scheduler class, worker class); modules are imported only when chosen, so the
+# name -> (module, scheduler class, worker class; "module:class" for a half in a module of its own);
+# modules are imported only when chosen, so the
 # scheduler side never pulls in torch or a transfer library it does not use.
 KV_CONNECTORS: dict[str, tuple[str, str, str]] = {
     "MooncakeConnector": ("rackserve.kv_transfer.mooncake_connector", "MooncakeConnectorScheduler",
-                          "MooncakeConnectorWorker"),
+                          "rackserve.kv_transfer.mooncake_worker:MooncakeConnectorWorker"),
     "OffloadingConnector": ("rackserve.kv_transfer.offloading_connector", "OffloadingConnectorScheduler",
                             "OffloadingConnectorWorker"),
     "MooncakeStoreConnector": ("rackserve.kv_transfer.mooncake_store_connector", "MooncakeStoreConnectorScheduler",
@@ -128,8 +129,10 @@ def connector_class(config: EngineConfig, side: int) -> type:
     name = config.kv_transfer.kv_connector
     if name not in KV_CONNECTORS:
         raise ValueError(f"unknown kv_connector {name!r}; known: {sorted(KV_CONNECTORS)}")
-    entry = KV_CONNECTORS[name]
-    return getattr(importlib.import_module(entry[0]), entry[side])
+    module, name = KV_CONNECTORS[name][0], KV_CONNECTORS[name][side]
+    if ":" in name:   # a half in a module of its own
+        module, name = name.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def create_kv_connector_scheduler(config: EngineConfig) -> KVConnectorScheduler | None:
