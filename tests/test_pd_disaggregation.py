@@ -3,7 +3,7 @@ MooncakeConnector over TCP), `rackserve proxy` in front, the official `openai` c
 identical to one instance (the prefiller serving the request alone, after the disaggregated run,
 so the pull saw none of it), streamed or not, n > 1, a one-token prompt and prompts of
 several blocks plus a partial one; the prefiller's blocks are freed once pulled, or when the lease
-runs out; a prefiller killed before the decoder pulls leaves a request that still completes.
+runs out; a prefiller killed while or before the decoder pulls leaves requests that still complete.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -154,23 +155,36 @@ def test_a_decoder_that_never_comes_frees_the_blocks_at_lease_end(cluster):
     assert late.choices[0].text == want.choices[0].text
 
 
-def test_prefiller_killed_before_the_pull_still_completes(cluster):
+def test_prefiller_killed_while_or_before_the_decoder_pulls_still_completes(cluster):
+    """SIGKILL the prefiller just after the decoder starts pulling a 75-block prompt (the kill lands in
+    the handshake, the pin or the read), then decode a second prompt it held: both recompute."""
     root = cluster["root"]
     proc, url = start_server(cluster["base"] + ["--kv-transfer-config", _kv_config("kv_producer")],
                              root / "doomed.log")
+    prompts = {"during": [(7 * i) % 500 + 3 for i in range(300)], "before": list(range(100, 130))}
+
+    def decode(name: str, params: dict) -> str:
+        return _client(cluster["decode"]).completions.create(
+            model=MODEL, prompt=prompts[name], max_tokens=5, temperature=0.0,
+            extra_body={"ignore_eos": True, "kv_transfer_params": params}).choices[0].text
+
     try:
-        prompt = list(range(100, 130))
-        params = httpx.post(f"{url}/v1/completions", json={
+        params = {name: httpx.post(f"{url}/v1/completions", json={
             "model": MODEL, "prompt": prompt, "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+            for name, prompt in prompts.items()}
+        with ThreadPoolExecutor(1) as pool:
+            during = pool.submit(decode, "during", params["during"])
+            time.sleep(0.05)
+            proc.kill()   # SIGKILL: no goodbye on the side channel
+            got = {"during": during.result(timeout=60)}
     finally:
-        proc.kill()   # SIGKILL: no goodbye on the side channel
+        proc.kill()
         proc.wait(timeout=30)
-    want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY)
-    got = _client(cluster["decode"]).completions.create(
-        model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0,
-        extra_body={"ignore_eos": True, "kv_transfer_params": params})
-    assert got.choices[0].text == want.choices[0].text
+    got["before"] = decode("before", params["before"])
+    for name, prompt in prompts.items():
+        want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY)
+        assert got[name] == want.choices[0].text, name
     _wait_kv_free(cluster["decode"], 10)
 
 
