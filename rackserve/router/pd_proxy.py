@@ -9,6 +9,7 @@ This file owns the two-hop request flow only. It never touches KV (the instances
 move it) and never imports torch or the engine.
 """
 import argparse
+import contextlib
 import itertools
 from typing import Any
 
@@ -33,7 +34,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
 
     prefillers, decoders = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
     client = httpx.AsyncClient(timeout=httpx.Timeout(PREFILL_TIMEOUT_S, connect=10.0))
-    app = FastAPI(title="rackserve P/D proxy")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="rackserve P/D proxy", lifespan=lifespan)
 
     async def two_hops(path: str, request: Request) -> Response:
         body = await request.json()
@@ -85,10 +92,6 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
             except httpx.TransportError:
                 return Response(status_code=503)
         return Response(status_code=200)
-
-    @app.on_event("shutdown")
-    async def close_client() -> None:
-        await client.aclose()
 
     return app
 
