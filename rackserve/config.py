@@ -26,6 +26,8 @@ class ModelConfig:
     max_model_len: int | None       # None until resolved against the model's own context length
     seed: int
     skip_tokenizer_init: bool = False   # token ids in and out only: no tokenizer is loaded
+    quantization: str = "none"      # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linears stay packed; "none": dequantized
+    dtype_reason: str = "given by --dtype"     # why this dtype, for the startup log
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,12 @@ class EngineArgs:
     skip_tokenizer_init: bool = _opt(False, "load no tokenizer: prompts must be token ids, outputs carry "
                                      "token ids and empty text, and only stop_token_ids or max_tokens "
                                      "end a request (no EOS is known without the tokenizer, as in vLLM)")
-    dtype: str = _opt("auto", "weight and activation dtype; auto: float32 on CPU, the checkpoint's "
-                      "dtype (or bfloat16) on CUDA",
+    dtype: str = _opt("auto", "weight and activation dtype; auto: bfloat16 on CPUs with native bf16 "
+                      "(amx_bf16 or avx512_bf16), float32 on other CPUs, bfloat16 on CUDA",
                       choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str | None = _opt(None, "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 linear weights packed and "
+                                    "multiply them with torch's int4 kernels; none: dequantize them at "
+                                    "load; default: gguf for a .gguf file", choices=[None, "gguf", "none"])
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
     max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most requests running at once")
@@ -215,15 +220,18 @@ class EngineArgs:
                  "num_gpu_blocks_override must be > 0")
         device = resolve_device(self.device)
         path = resolve_model_path(self.model)
+        dtype, dtype_reason = resolve_dtype(self.dtype, device)
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
             tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else path,
-            dtype=self.dtype if self.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16"),
+            dtype=dtype,
             device=device,
             max_model_len=self.max_model_len,
             seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            quantization=resolve_quantization(self.quantization, path),
+            dtype_reason=dtype_reason,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,
@@ -286,6 +294,27 @@ def resolve_device(device: str) -> str:
         return device
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """(dtype, why) for --dtype; auto on CPU follows what the CPU computes natively."""
+    if dtype != "auto":
+        return dtype, "given by --dtype"
+    if device != "cpu":
+        return "bfloat16", "auto on cuda"
+    from rackserve.cpu_dtype import choose_cpu_dtype, cpu_flags
+    choice = choose_cpu_dtype(cpu_flags())
+    return choice.dtype, f"auto: {choice.reason}"
+
+
+def resolve_quantization(quantization: str | None, path: str) -> str:
+    """--quantization resolved: by default a GGUF file's quantized weights stay quantized."""
+    is_gguf = path.endswith(".gguf")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"--quantization gguf needs a .gguf model, got {path}")
+    if quantization is None:
+        return "gguf" if is_gguf else "none"
+    return quantization
 
 
 def smollm2_gguf_path() -> str:

@@ -3,7 +3,8 @@ HF names, so that GGUF and safetensors models load through the same `load_weight
 
 llama.cpp stores the q/k rows of llama-architecture models interleaved for its own (GPT-J style)
 RoPE; we undo that permutation so that neox-style rotate_half is right, as transformers' GGUF
-loader does. This file must never build a model or know about devices.
+loader does. Under --quantization gguf the Q4_0/Q4_1/Q8_0 linear weights are not dequantized but
+decoded into int4 groups (model/quant/) that the layers keep packed. This file must never build a model or know about devices.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from rackserve.model.quant.gguf_blocks import SUPPORTED, Int4Groups, from_gguf
 
 # GGUF general.architecture -> HF architecture name (a key of models.MODEL_REGISTRY).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -95,18 +98,35 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_weights(reader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight, dequantized to float32, under its HF name."""
+def gguf_weights(reader, config: dict[str, Any], keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
+    """Every weight under its HF name, dequantized to float32. With `keep_quantized`, linear weights
+    (and the lm_head, also when it is tied to the embedding) of a type in gguf_blocks.SUPPORTED
+    come instead as Int4Groups named `<module>.qweight`."""
     from gguf.quants import dequantize
     arch = _field(reader, "general.architecture")
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type)
+        heads = None
         if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
-            w = _unpermute(w, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
-            w = _unpermute(w, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
+        qtype = t.tensor_type.name
+        if keep_quantized and qtype in SUPPORTED and len(t.shape) == 2:
+            q = from_gguf(qtype, t.data)
+            if heads is not None:
+                q = Int4Groups(qtype, *(torch.from_numpy(_unpermute(a.numpy(), heads)) for a in (q.codes, q.scales, q.zeros)))
+            if name == "model.embed_tokens.weight":
+                if config["tie_word_embeddings"]:
+                    yield "lm_head.qweight", q
+            else:
+                yield name.removesuffix(".weight") + ".qweight", q
+                continue
+        w = dequantize(t.data, t.tensor_type)
+        if heads is not None:
+            w = _unpermute(w, heads)
         # F32 tensors come back as read-only views of the memory-mapped file.
         yield name, torch.from_numpy(np.require(w, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))

@@ -19,8 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from rackserve.distributed.parallel_state import GroupCoordinator
+from rackserve.model.quant.quantized_weight import QuantizedWeight
 
 SINGLE = GroupCoordinator.single()
+# Logits a quantized lm_head recomputes exactly per row: more than the 20 top logprobs an API asks.
+EXACT_TOP_LOGITS = 32
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -56,7 +59,7 @@ class RMSNorm(nn.Module):
         return (xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype).mul_(self.weight)
 
 
-class Linear(nn.Module):
+class Linear(QuantizedWeight, nn.Module):
     """y = x W^T (+ b), W of shape [output_size, input_size], loaded whole (replicated on every rank)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -68,12 +71,23 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
+    def weight_slice(self, shard_id: object) -> tuple[int, int, int, int, int]:
+        assert shard_id is None, f"{type(self).__name__} takes no shards"
+        return 0, 0, self.output_size, 0, self.input_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         assert shard_id is None, f"{type(self).__name__} takes no shards"
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T, on the packed weight when it stayed quantized."""
+        return F.linear(x, self.weight) if self.quant is None else self.quant(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant(x)
+        return y if self.bias is None else y + self.bias
 
 
 class Held(NamedTuple):
@@ -102,11 +116,15 @@ class ColumnParallelLinear(Linear):
         assert shard_id is None, f"{type(self).__name__} takes no shards"
         return 0
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_slice(self, shard_id: object) -> tuple[int, int, int, int, int]:
         i = self.shard_index(shard_id)
-        h = self.held[i]
-        assert loaded.shape[0] == h.full_size, f"shard {shard_id}: {loaded.shape[0]} rows, expected {h.full_size}"
-        default_weight_loader(param.data.narrow(0, self.shard_offsets[i], h.size), loaded.narrow(0, h.start, h.size))
+        return self.shard_offsets[i], self.held[i].start, self.held[i].size, 0, self.input_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        dst, src, rows, _, _ = self.weight_slice(shard_id)
+        full = self.held[self.shard_index(shard_id)].full_size
+        assert loaded.shape[0] == full, f"shard {shard_id}: {loaded.shape[0]} rows, expected {full}"
+        default_weight_loader(param.data.narrow(0, dst, rows), loaded.narrow(0, src, rows))
 
 
 class MergedLinear(ColumnParallelLinear):
@@ -180,6 +198,10 @@ class RowParallelLinear(Linear):
         super().__init__(size, output_size, bias)
         self.tp, self.input_start, self.full_input_size = tp, start, input_size
 
+    def weight_slice(self, shard_id: object) -> tuple[int, int, int, int, int]:
+        assert shard_id is None, f"{type(self).__name__} takes no shards"
+        return 0, 0, self.output_size, self.input_start, self.input_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         assert shard_id is None, f"{type(self).__name__} takes no shards"
         if param is self.weight:
@@ -190,8 +212,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return super().forward(x)
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -203,7 +225,7 @@ def _vocab_rows(vocab_size: int, tp: GroupCoordinator) -> tuple[int, int, int]:
     return start, max(0, min(rows, vocab_size - start)), rows
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(QuantizedWeight, nn.Module):
     """Token embedding with the vocabulary split over `tp` (vLLM's VocabParallelEmbedding): each
     rank looks up the ids in its slice, zeroes the rows of the others, and the all-reduce leaves
     each token the one row that was not zero."""
@@ -220,6 +242,13 @@ class VocabEmbedding(nn.Module):
         assert loaded.shape[0] == self.vocab_size, f"{loaded.shape[0]} rows, expected {self.vocab_size}"
         default_weight_loader(param.data[:self.num_held], loaded.narrow(0, self.vocab_start, self.num_held))
         param.data[self.num_held:].zero_()   # padding rows: logits there are cut off, but never NaN
+
+    def weight_slice(self, shard_id: object) -> tuple[int, int, int, int, int]:
+        assert shard_id is None, f"{type(self).__name__} takes no shards"
+        return 0, self.vocab_start, self.num_held, 0, self.weight.shape[1]
+
+    def _dense_rows(self) -> int:
+        return self.num_held
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -240,10 +269,10 @@ class LMHead(VocabEmbedding):
         super().__init__(vocab_size, hidden_size, tp)
         if tied_embedding is not None:
             assert tied_embedding.tp == tp, "a tied lm_head splits like its embedding"
-            self.weight = tied_embedding.weight
+            self.weight = self.tied_weight = tied_embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.quant is None else self.quant(hidden, EXACT_TOP_LOGITS)
         if self.tp.world_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]

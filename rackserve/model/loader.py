@@ -82,7 +82,7 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
         reader = open_gguf(path)
         config = gguf_config(reader)
         info = ModelInfo.from_config(config, dtype)
-        weights = gguf_weights(reader, config)
+        weights = gguf_weights(reader, config, keep_quantized=model_config.quantization == "gguf")
     else:
         config = read_hf_config(path)
         info = ModelInfo.from_config(config, dtype, _generation_eos(path))
@@ -92,6 +92,9 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     with torch.device(model_config.device), _default_dtype(dtype):
         model = model_cls(config, attn_backend, max_position, groups or ParallelGroups.single())
     model.load_weights(weights)
+    for module in list(model.modules()):
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval(), info
 
 

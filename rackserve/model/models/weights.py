@@ -1,7 +1,9 @@
 """From checkpoint tensors to parameters, for every model's `load_weights`: a model names the
 checkpoint tensors that it stacks into one parameter (`stacked_params`: q_proj, k_proj and v_proj
 into qkv_proj as shards "q", "k", "v"), each parameter's `weight_loader` copies its part, and a
-`WeightTracker` makes sure every parameter got every shard it needs exactly once.
+`WeightTracker` makes sure every parameter got every shard it needs exactly once. A tensor named
+`<module>.qweight` (a GGUF weight kept quantized) goes to that module's `load_quantized` and
+counts as its `weight`.
 """
 from __future__ import annotations
 
@@ -31,10 +33,16 @@ class WeightTracker:
 
     def __init__(self, model: nn.Module):
         self.owner = type(model).__name__
+        self.model = model
         self.params = dict(model.named_parameters())
         self.seen: dict[str, set[object]] = {}
 
     def load(self, name: str, tensor: torch.Tensor, shard: object = None) -> None:
+        if name.endswith(".qweight"):
+            module = name[:-len(".qweight")]
+            self.model.get_submodule(module).load_quantized(tensor, shard)
+            self.seen.setdefault(f"{module}.weight", set()).add(shard)
+            return
         if name not in self.params:
             raise KeyError(f"checkpoint tensor {name!r} has no parameter in {self.owner}")
         param = self.params[name]

@@ -1,0 +1,40 @@
+"""`--dtype auto` on CPU: bfloat16 where the CPU computes it natively, float32 elsewhere.
+
+Native bf16 means AMX (amx_bf16) or AVX512-BF16 (avx512_bf16): there a bf16 matmul runs several
+times faster than fp32 and reads half the bytes. Without them (AMD Zen 2/3, Intel before Cooper
+Lake) bf16 is emulated by conversions and runs slower than fp32, so fp32 is the choice. The choice
+is a pure function of the flags the CPU reports, so it is tested from given flags. This file owns
+that rule; it must never import torch or read anything but /proc/cpuinfo.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+class DtypeChoice(NamedTuple):
+    dtype: str          # "float32" | "bfloat16"
+    reason: str         # one line for the startup log
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The feature flags of the first CPU ("flags" on x86, "Features" on arm); empty when the file
+    is missing (macOS, Windows), which makes auto choose float32."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_cpu_dtype(flags: frozenset[str] | set[str]) -> DtypeChoice:
+    native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if native:
+        return DtypeChoice("bfloat16", f"the CPU computes bf16 natively ({', '.join(native)})")
+    return DtypeChoice("float32", f"the CPU reports none of {', '.join(NATIVE_BF16_FLAGS)}, so bf16 "
+                                  "would be emulated and slower than fp32")

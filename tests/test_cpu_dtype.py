@@ -1,0 +1,44 @@
+"""`--dtype auto` on CPU from the flags the CPU reports, and `--quantization` resolved from the file."""
+from __future__ import annotations
+
+import pytest
+
+from rackserve.config import EngineArgs, resolve_dtype, resolve_quantization
+from rackserve.cpu_dtype import choose_cpu_dtype, cpu_flags
+
+XEON_SAPPHIRE_RAPIDS = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+XEON_ICE_LAKE = {"avx2", "avx512f", "avx512_vnni"}         # AVX-512 without bf16 (this project's CI)
+ZEN3 = {"avx2", "fma", "sse4_2"}
+ZEN4 = {"avx2", "avx512f", "avx512_bf16"}
+
+
+@pytest.mark.parametrize("flags,dtype", [(XEON_SAPPHIRE_RAPIDS, "bfloat16"), (ZEN4, "bfloat16"),
+                                         (XEON_ICE_LAKE, "float32"), (ZEN3, "float32"), (set(), "float32")])
+def test_auto_dtype_follows_native_bf16(flags, dtype):
+    choice = choose_cpu_dtype(flags)
+    assert choice.dtype == dtype
+    if dtype == "bfloat16":
+        assert any(f in choice.reason for f in ("amx_bf16", "avx512_bf16"))
+
+
+def test_cpu_flags_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx512f", "amx_bf16"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_given_dtype_is_kept_and_auto_is_explained():
+    assert resolve_dtype("float32", "cpu") == ("float32", "given by --dtype")
+    dtype, why = resolve_dtype("auto", "cpu")
+    assert dtype == choose_cpu_dtype(cpu_flags()).dtype and why.startswith("auto: ")
+
+
+def test_quantization_defaults_to_what_the_file_has(tmp_path):
+    assert resolve_quantization(None, "/m/model.gguf") == "gguf"
+    assert resolve_quantization(None, "/m/hf_dir") == "none"
+    assert resolve_quantization("none", "/m/model.gguf") == "none"
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        resolve_quantization("gguf", "/m/hf_dir")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(model=str(tmp_path), quantization="awq").create_engine_config()

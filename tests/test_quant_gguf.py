@@ -1,0 +1,99 @@
+"""GGUF weights kept quantized (--quantization gguf): Q4_0, Q4_1 and Q8_0 blocks decoded into int4
+groups exactly as gguf-py dequantizes them, torch's int4 kernel against the fp32 matmul of the
+dequantized weight, and tiny GGUF models loaded quantized against their HF originals.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rackserve.config import ModelConfig
+from rackserve.model.loader import load_model
+from rackserve.model.quant.gguf_blocks import from_gguf
+from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS, PackedInt4Linear
+from tests.test_model_gguf import write_gguf
+from tests.test_model_parity import prefill_logits
+from tests.tiny_models import load_hf
+
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def random_blocks(qtype: str, rows: int = 72, cols: int = 192, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """GGUF blocks of a random weight (rows not a multiple of the kernel's 16), and their fp32 values
+    as gguf-py dequantizes them. An offset makes Q4_1's minimum and the zeros matter."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) + 0.5
+    blocks = quantize(w, Q[qtype])
+    return blocks, torch.from_numpy(dequantize(blocks, Q[qtype]).copy())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int4_groups_decode_gguf_blocks_exactly(qtype):
+    blocks, ref = random_blocks(qtype)
+    groups = from_gguf(qtype, blocks)
+    assert groups.shape == tuple(ref.shape)
+    assert int(groups.codes.max()) < 16
+    assert torch.equal(groups.dequantize(), ref)
+    # Column slices at group boundaries (tensor parallelism) decode to the same columns.
+    assert torch.equal(groups.narrow(1, 64, 96).dequantize(), ref[:, 64:160])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        groups.narrow(1, 16, 32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 7, DENSE_ABOVE_ROWS + 3])
+def test_int4_kernel_matches_dequantized_fp32_matmul(qtype, rows):
+    blocks, w = random_blocks(qtype)
+    linear = PackedInt4Linear(from_gguf(qtype, blocks))
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    ref = x @ w.T
+    y = linear(x)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    # bf16 activations and outputs: ~0.4% of each row's scale. A wrong scale or zero of one group
+    # out of six shifts outputs by tens of percent.
+    err = (y - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert float(err.max()) < (1e-5 if rows > DENSE_ABOVE_ROWS else 2e-2)
+    assert torch.equal(linear.dequantize(), w)
+
+
+def test_exact_top_recomputes_the_largest_outputs_in_fp32():
+    blocks, w = random_blocks("Q8_0", rows=512, cols=64)
+    linear = PackedInt4Linear(from_gguf("Q8_0", blocks))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 4
+    ref = x @ w.T
+    y = linear(x, exact_top=8)
+    top = ref.topk(8, dim=-1).indices
+    torch.testing.assert_close(y.gather(1, top), ref.gather(1, top), atol=1e-4, rtol=1e-5)
+    assert torch.equal(y.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("fixture,qtype", [("tiny_llama_dir", "Q4_1"), ("tiny_llama3_rope_dir", "Q8_0"),
+                                           ("tiny_qwen3_dir", "Q4_0")])
+def test_tiny_gguf_kept_quantized_matches_its_hf_original(fixture, qtype, request, tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    hf = load_hf(request.getfixturevalue(fixture))
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "qwen3" if "qwen3" in fixture else "llama", [Q[qtype]])
+    model, info = load_model(ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf"))
+    packed = [m for m in model.modules() if getattr(m, "quant", None) is not None]
+    assert len(packed) == 4 * info.num_layers + 1           # qkv, o, gate_up, down per layer + lm_head
+    assert all(m.weight is None for m in packed if m is not model.lm_head)
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = prefill_logits(model, info, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert float((ours - ref).abs().max()) < 0.03 * float(ref.abs().max())
+    # vLLM's rule, position by position: each side's greedy token is in the other's top-5.
+    ours_top5, ref_top5 = ours.topk(5).indices, ref.topk(5).indices
+    assert (ours_top5 == ref.argmax(-1, keepdim=True)).any(-1).all()
+    assert (ref_top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_one_fused_layer_of_mixed_types_is_refused(tiny_llama_dir, tmp_path):
+    from gguf import GGMLQuantizationType as Q
+    # q_proj Q4_0, k_proj Q4_1: one qkv_proj cannot hold both packed.
+    path = write_gguf(load_hf(tiny_llama_dir), str(tmp_path / "mixed.gguf"), "llama", [Q.Q4_0, Q.Q4_1])
+    with pytest.raises(ValueError, match="--quantization none"):
+        load_model(ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf"))
