@@ -43,6 +43,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    long_prefill_token_threshold: int = 0   # most prompt tokens of one request in a step; 0: no cap
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,9 @@ class EngineArgs:
     max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most requests running at once")
     max_num_batched_tokens: int = _opt(512, "token budget of one step (decodes + prefill chunks)")
+    long_prefill_token_threshold: int = _opt(0, "most prompt tokens one request computes in a step "
+                                             "(0: no cap); lower keeps decode steps short while a "
+                                             "long prompt is prefilled")
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
     kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: the model's. bfloat16 or float16 under "
@@ -236,7 +240,8 @@ class EngineArgs:
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,
                             None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
-        sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold)
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
                             kv_transfer=kv_transfer)

@@ -164,7 +164,8 @@ def model_cost(model_config: ModelConfig, kv_cache_dtype: str | None = None) -> 
     else:
         qk = v = config.get("head_dim") or config["hidden_size"] // heads_n
     return ModelCost(
-        weight_bytes=nbytes(model.parameters()) - nbytes(gathered) - nbytes(experts),
+        weight_bytes=nbytes(model.parameters()) - nbytes(gathered) - nbytes(experts)
+        - _packed_savings(model_config, dtype.itemsize),
         expert_bytes=nbytes(experts),
         linear_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear)),
         expert_params=sum(p.numel() for p in experts),
@@ -173,6 +174,25 @@ def model_cost(model_config: ModelConfig, kv_cache_dtype: str | None = None) -> 
         lm_head_params=sum(m.weight.numel() for m in heads),
         attn_flops_per_pair=2 * layers * heads_n * (qk + v),
         kv_bytes_per_token=ModelInfo.from_config(config, kv_dtype).kv_cache_bytes_per_token)
+
+
+def _packed_savings(model_config: ModelConfig, dense_itemsize: int) -> int:
+    """Bytes a step does not read because --quantization gguf keeps weights packed: each packed
+    tensor's dense size less its packed size (the lm_head reads a tied embedding's packed copy)."""
+    if model_config.quantization != "gguf":
+        return 0
+    from rackserve.model.gguf_loader import hf_name, open_gguf
+    from rackserve.model.quant.gguf_blocks import SUPPORTED, packed_nbytes
+    tensors = open_gguf(model_config.model).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    saved = 0
+    for t in tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue            # an untied embedding is only gathered, and stays dense
+        if t.tensor_type.name in SUPPORTED and len(t.shape) == 2 and hf_name(t.name) is not None:
+            n = int(t.n_elements)
+            saved += n * dense_itemsize - packed_nbytes(t.tensor_type.name, n)
+    return saved
 
 
 def _layer_kind(leaf: str, module) -> str | None:

@@ -35,6 +35,7 @@ class Scheduler:
         self.max_model_len = config.model.max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.scheduler.long_prefill_token_threshold
         self.block_size = config.cache.block_size
         if num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -104,11 +105,19 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
+        # Decode first: a prefill chunk ahead of decodes in the queue leaves them their tokens,
+        # so that a long prompt never stalls the streams already generating.
+        decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert n > 0, "a running request always has a token to compute"
+            remaining = request.num_tokens - request.num_computed_tokens
+            assert remaining > 0, "a running request always has a token to compute"
+            decodes_left -= remaining == 1
+            n = remaining if remaining == 1 else self._prefill_chunk(remaining, budget - decodes_left)
+            if n == 0:
+                i += 1
+                continue
             block_ids = self.kv.allocate_slots(request, n)
             while block_ids is None:
                 # Running requests behind this one have not been scheduled yet: take the last.
@@ -141,7 +150,7 @@ class Scheduler:
                 self._count_lookup(request, hit.num_tokens, external_queries=request.num_tokens - hit.num_tokens)
                 continue
             start = request.num_computed_tokens if landed else hit.num_tokens
-            n = min(request.num_tokens - start, budget)
+            n = self._prefill_chunk(request.num_tokens - start, budget)
             if self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.popleft()
@@ -203,6 +212,12 @@ class Scheduler:
                 request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
                 kv_transfer_params))
         return outputs
+
+    def _prefill_chunk(self, remaining: int, budget: int) -> int:
+        """Prompt tokens one request computes this step: at most --long-prefill-token-threshold
+        (vLLM's flag; 0: no cap), so that a long prompt takes short steps beside the decodes."""
+        cap = self.long_prefill_token_threshold or remaining
+        return max(0, min(remaining, budget, cap))
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot for stat loggers; the per-step counters restart at zero."""

@@ -282,8 +282,10 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
         url = f"http://{server.config.host}:{server.config.port}"
         body = json.dumps({"model": engine.config.model.served_model_name,
                            "messages": [{"role": "user", "content": "Hello!"}]})
+        m = engine.config.model
         print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
               f"(metrics at {url}/metrics)\n"
+              f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)
     died = None

@@ -78,6 +78,13 @@ class Int4Groups:
         return groups.view(rows, -1, self.expand, GROUP).sum(2).view(rows, width // self.expand)
 
 
+def packed_nbytes(qtype: str, numel: int) -> int:
+    """What the int4 kernel reads for a weight of `numel` elements: 4-bit codes and a bf16 scale
+    and zero per group."""
+    width = numel * _EXPAND[qtype]
+    return width // 2 + width // GROUP * 4
+
+
 def from_gguf(qtype: str, blocks: np.ndarray) -> Int4Groups:
     """Decode a GGUF tensor's raw bytes ([rows, bytes per row], as gguf.GGUFReader gives them)."""
     if qtype not in SUPPORTED:
