@@ -158,9 +158,9 @@ class EngineArgs:
     dtype: str = _opt("auto", "weight and activation dtype; auto: bfloat16 on CPUs with native bf16 "
                       "(amx_bf16 or avx512_bf16), float32 on other CPUs, bfloat16 on CUDA",
                       choices=["auto", "float32", "bfloat16", "float16"])
-    quantization: str | None = _opt(None, "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 linear weights packed and "
-                                    "multiply them with torch's int4 kernels; none: dequantize them at "
-                                    "load; default: gguf for a .gguf file", choices=[None, "gguf", "none"])
+    quantization: str = _opt("auto", "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 linear weights packed and "
+                             "multiply them with torch's int4 kernel; none: dequantize them at load; "
+                             "auto: gguf for a .gguf file", choices=["auto", "gguf", "none"])
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
     max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most requests running at once")
@@ -312,12 +312,12 @@ def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
     return choice.dtype, f"auto: {choice.reason}"
 
 
-def resolve_quantization(quantization: str | None, path: str) -> str:
+def resolve_quantization(quantization: str, path: str) -> str:
     """--quantization resolved: by default a GGUF file's quantized weights stay quantized."""
     is_gguf = path.endswith(".gguf")
     if quantization == "gguf" and not is_gguf:
         raise ValueError(f"--quantization gguf needs a .gguf model, got {path}")
-    if quantization is None:
+    if quantization == "auto":
         return "gguf" if is_gguf else "none"
     return quantization
 

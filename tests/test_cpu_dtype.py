@@ -35,8 +35,8 @@ def test_given_dtype_is_kept_and_auto_is_explained():
 
 
 def test_quantization_defaults_to_what_the_file_has(tmp_path):
-    assert resolve_quantization(None, "/m/model.gguf") == "gguf"
-    assert resolve_quantization(None, "/m/hf_dir") == "none"
+    assert resolve_quantization("auto", "/m/model.gguf") == "gguf"
+    assert resolve_quantization("auto", "/m/hf_dir") == "none"
     assert resolve_quantization("none", "/m/model.gguf") == "none"
     with pytest.raises(ValueError, match="needs a .gguf"):
         resolve_quantization("gguf", "/m/hf_dir")
