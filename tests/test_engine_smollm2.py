@@ -23,7 +23,17 @@ CHATS = [
 ]
 
 
+_HF_CACHE: dict[tuple[int, ...], tuple[list[int], list[set[int]]]] = {}
+
+
 def hf_greedy_with_top5(model, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+    """Memoised: both parametrizations ask for the same prompts."""
+    if tuple(prompt) not in _HF_CACHE:
+        _HF_CACHE[tuple(prompt)] = _hf_greedy_with_top5(model, prompt)
+    return _HF_CACHE[tuple(prompt)]
+
+
+def _hf_greedy_with_top5(model, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         # An explicit mask: SmolLM2's pad id is <|im_end|>, which chat prompts contain, and

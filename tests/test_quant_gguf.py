@@ -112,3 +112,17 @@ def test_bench_counts_the_bytes_the_kernel_reads(tiny_llama_dir, tmp_path):
     saved = sum(m.quant.out_features * m.quant.in_features * 4 - m.quant.weight_bytes_per_token() for m in packed)
     dense = model_cost(dataclasses.replace(quantized, quantization="none")).weight_bytes
     assert dense - model_cost(quantized).weight_bytes == saved > 0
+
+
+def test_a_row_parallel_slice_keeps_its_input_columns():
+    # A tensor-parallel rank of a row-parallel layer holds some input columns: it must pack exactly
+    # those columns of the checkpoint's groups (and refuse a cut through a group).
+    from rackserve.model.layers import RowParallelLinear
+    blocks, w = random_blocks("Q8_0", rows=48, cols=128)
+    layer = RowParallelLinear(128, 48, input_held=(64, 64))
+    layer.load_quantized(from_gguf("Q8_0", blocks))
+    layer.process_weights_after_loading()
+    assert layer.weight is None and torch.equal(layer.quant.dequantize(), w[:, 64:])
+    unaligned = RowParallelLinear(128, 48, input_held=(48, 80))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        unaligned.load_quantized(from_gguf("Q8_0", blocks))

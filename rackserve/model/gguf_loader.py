@@ -4,7 +4,8 @@ HF names, so that GGUF and safetensors models load through the same `load_weight
 llama.cpp stores the q/k rows of llama-architecture models interleaved for its own (GPT-J style)
 RoPE; we undo that permutation so that neox-style rotate_half is right, as transformers' GGUF
 loader does. Under --quantization gguf the Q4_0/Q4_1/Q8_0 linear weights are not dequantized but
-decoded into int4 groups (model/quant/) that the layers keep packed. This file must never build a model or know about devices.
+decoded into int4 groups (model/quant/) that the layers keep packed. This file must never build a
+model or know about devices.
 """
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ def gguf_weights(reader, config: dict[str, Any], keep_quantized: bool = False
         if keep_quantized and qtype in SUPPORTED and len(t.shape) == 2:
             q = from_gguf(qtype, t.data)
             if heads is not None:
-                q = Int4Groups(qtype, *(torch.from_numpy(_unpermute(a.numpy(), heads)) for a in (q.codes, q.scales, q.zeros)))
+                q = Int4Groups(qtype, *(torch.from_numpy(_unpermute(a.numpy(), heads))
+                                        for a in (q.codes, q.scales, q.zeros)))
             if name == "model.embed_tokens.weight":
                 if config["tie_word_embeddings"]:
                     yield "lm_head.qweight", q

@@ -44,7 +44,9 @@ class Int4Groups:
 
     @classmethod
     def empty(cls, qtype: str, rows: int, in_features: int) -> "Int4Groups":
-        assert in_features % GROUP == 0, f"{in_features} input features are not whole groups of {GROUP}"
+        if in_features % GROUP:
+            raise ValueError(f"a quantized weight splits along its input only at multiples of {GROUP}; this "
+                             f"layer holds {in_features} input features (use --quantization none)")
         width = in_features * _EXPAND[qtype]
         return cls(qtype, torch.empty(rows, width, dtype=torch.uint8),
                    torch.empty(rows, width // GROUP), torch.empty(rows, width // GROUP))

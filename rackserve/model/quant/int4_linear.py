@@ -51,8 +51,10 @@ class PackedInt4Linear(nn.Module):
     def exact_rows(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """x[i] . W[rows[i, j]] in x's dtype from the dequantized rows: [R, k] for rows [R, k]."""
         r, k = rows.shape
-        picked = Int4Groups(self.qtype, torch.stack([self.codes[rows.flatten()] & 15, self.codes[rows.flatten()] >> 4], -1)
-                            .view(r * k, -1), self.scales[rows.flatten()], self.zeros[rows.flatten()])
+        flat = rows.flatten()
+        codes = self.codes[flat]
+        picked = Int4Groups(self.qtype, torch.stack([codes & 15, codes >> 4], -1).view(r * k, -1),
+                            self.scales[flat], self.zeros[flat])
         return torch.bmm(picked.dequantize(x.dtype).view(r, k, -1), x.unsqueeze(-1)).squeeze(-1)
 
     def forward(self, x: torch.Tensor, exact_top: int = 0) -> torch.Tensor:
