@@ -125,12 +125,40 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events, vLLM's `--kv-events-config` keys and defaults. DP rank k publishes on the
+    endpoints' port + k (engine/kv_events.py)."""
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER socket answering "batches since seq n"
+    topic: str = ""
+    buffer_steps: int = 10_000          # batches kept for replay
+    hwm: int = 100_000                  # ZMQ send high-water mark
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+        known = {f.name for f in fields(cls)}
+        if not isinstance(given, dict) or set(given) - known:
+            raise ValueError(f"--kv-events-config takes a JSON object with keys among {sorted(known)}")
+        config = cls(**given)
+        _require(config.publisher == "zmq", f"kv events publisher {config.publisher!r}; only 'zmq' exists")
+        _require(config.buffer_steps > 0 and config.hwm > 0, "buffer_steps and hwm must be > 0")
+        return config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None   # None: this instance moves no KV
+    kv_events: KVEventsConfig | None = None
 
     def with_model_len(self, model_max_len: int) -> "EngineConfig":
         """Resolve max_model_len once the checkpoint says how long a context it supports."""
@@ -193,6 +221,10 @@ class EngineArgs:
                                         "all-to-all, instead of splitting every expert over the TP group")
     kv_transfer_config: str | dict | None = _opt(None, "KV connector as JSON (vLLM's keys), e.g. "
                                                  '{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}')
+    kv_events_config: str | None = _opt(None, "KV cache events as JSON, vLLM's keys: "
+                                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                                        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (publisher, '
+                                        "buffer_steps, hwm too); DP rank k publishes on port + k")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -243,8 +275,9 @@ class EngineArgs:
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold)
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
+        kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
-                            kv_transfer=kv_transfer)
+                            kv_transfer=kv_transfer, kv_events=kv_events)
 
     def _parallel_config(self, device: str) -> ParallelConfig:
         tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes

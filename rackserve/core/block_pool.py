@@ -2,6 +2,8 @@
 
 A block is in use (ref_cnt > 0) or free. Free blocks wait in an LRU queue; those that still hold a
 hash stay findable by it (the prefix cache) until they are evicted, oldest first, to make room.
+With events enabled, every store, eviction and reset queues exactly one KV event (core/kv_events.py)
+for the engine to publish; a block whose hash already has a cached twin stores nothing.
 This file never decides which request gets blocks (that is KVCacheManager) and never imports torch.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rackserve.core.hashing import BlockHash
+from rackserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass(eq=False)
@@ -21,10 +24,12 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False):
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first: the front is evicted first. An OrderedDict gives
         # O(1) removal from the middle when a cached free block is hit again.
@@ -61,15 +66,41 @@ class BlockPool:
             out.append(block)
         return out
 
-    def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockHash], start: int, end: int) -> None:
-        """Register blocks[start:end] (now full) under hashes[start:end]."""
+    def cache_blocks(self, blocks: list[KVBlock], hashes: list[BlockHash], start: int, end: int,
+                     token_ids: list[int], block_size: int) -> None:
+        """Register blocks[start:end] (now full, holding token_ids[start * block_size:]) under
+        hashes[start:end]; one BlockStored event per run of consecutive newly stored blocks."""
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks[start:end], hashes[start:end]):
+        run: list[int] = []     # indices into blocks of the run being stored
+        for i in range(start, end):
+            block, block_hash = blocks[i], hashes[i]
             assert block.block_hash is None or block.block_hash == block_hash
-            block.block_hash = block_hash
-            # A block computed twice by concurrent requests keeps the first copy findable.
-            self.cached.setdefault(block_hash, block)
+            if block.block_hash is None and block_hash in self.cached:
+                # Computed twice by concurrent requests: the first copy stays the findable one, and
+                # this block holds no hash it does not own (it is reused first once freed).
+                self._store_event(run, hashes, token_ids, block_size)
+                run = []
+                continue
+            if block.block_hash is None:
+                block.block_hash = block_hash
+                self.cached[block_hash] = block
+                run.append(i)
+        self._store_event(run, hashes, token_ids, block_size)
+
+    def _store_event(self, run: list[int], hashes: list[BlockHash], token_ids: list[int],
+                     block_size: int) -> None:
+        if not run or not self.enable_kv_cache_events:
+            return
+        first, last = run[0], run[-1] + 1
+        self.kv_event_queue.append(BlockStored(
+            block_hashes=hashes[first:last], parent_block_hash=hashes[first - 1] if first else None,
+            token_ids=list(token_ids[first * block_size:last * block_size]), block_size=block_size))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events queued since the last call, oldest first."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero join the back of the free queue,
@@ -92,13 +123,18 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        # A block holds a hash only while it is the cached one (cache_blocks keeps twins out).
+        assert self.cached.get(block.block_hash) is block, block
+        del self.cached[block.block_hash]
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(BlockRemoved([block.block_hash]))
         block.block_hash = None
         self.num_evictions += 1
 
@@ -114,3 +150,5 @@ class BlockPool:
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), block
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash
+        assert sum(1 for b in self.blocks if b.block_hash is not None) == len(self.cached), \
+            "a block holds a hash it is not cached under"

@@ -28,11 +28,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_seed: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_seed: int = 0,
+                 enable_kv_cache_events: bool = False):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_seed = hash_seed
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}   # how many leading blocks are registered
 
@@ -93,7 +94,8 @@ class KVCacheManager:
             # At admission the hit blocks are the registered ones.
             num_cached = self.num_cached_blocks.get(request.request_id, len(hit.blocks))
             if num_full > num_cached and not delay_caching:
-                self.pool.cache_blocks(blocks, self._update_hashes(request), num_cached, num_full)
+                self.pool.cache_blocks(blocks, self._update_hashes(request), num_cached, num_full,
+                                      request.all_token_ids, self.block_size)
             self.num_cached_blocks[request.request_id] = num_cached if delay_caching else max(num_full, num_cached)
         return [b.block_id for b in new_blocks]
 
@@ -102,6 +104,10 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def take_events(self):
+        """KV events (core/kv_events.py) since the last call; always empty unless enabled."""
+        return self.pool.take_events()
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]

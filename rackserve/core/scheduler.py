@@ -43,7 +43,9 @@ class Scheduler:
                 f"max_model_len={self.max_model_len}: raise --kv-cache-memory or lower --max-model-len")
         # The hash namespace never follows the sampling seed (--seed): instances that sample
         # differently must still name equal prefixes alike (KV events, router, KV pool).
-        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching)
+        kv_events = config.kv_events is not None and config.kv_events.enable_kv_cache_events
+        self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
+                                 enable_kv_cache_events=kv_events)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -225,6 +227,7 @@ class Scheduler:
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = self.kv.usage()
+        stats.kv_events = self.kv.take_events()
         self._stats = SchedulerStats()
         return stats
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rackserve.core.kv_events import KVCacheEvent
+
 
 @dataclass
 class DPRankStats:
@@ -17,6 +19,7 @@ class DPRankStats:
     kv_cache_usage: float = 0.0         # fraction of its KV blocks in use, 0..1
     busy_seconds: float | None = None   # computing this step, collectives excluded; None: not measured
     idle_seconds: float = 0.0           # waiting this step for the slowest DP rank
+    kv_events: list[KVCacheEvent] = field(default_factory=list)   # its KV cache's, since the last report
 
 
 @dataclass
@@ -55,6 +58,8 @@ class SchedulerStats:
     dp_ranks: list[DPRankStats] = field(default_factory=list)   # by DP rank; set by the engine core
     # MoE models: (token, expert) pairs routed to each global expert this step, summed over layers.
     expert_token_counts: list[int] | None = None
+    # One scheduler's KV events since its last snapshot (merged stats carry them per DP rank).
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
 
 
 def sum_expert_token_counts(counts: Iterable[list[int] | None]) -> list[int] | None:

@@ -46,7 +46,8 @@ def merge_dp_stats(per_rank: Sequence[SchedulerStats], num_kv_blocks: Sequence[i
         num_preemptions=sum(s.num_preemptions for s in per_rank),
         expert_token_counts=sum_expert_token_counts(s.expert_token_counts for s in per_rank),
         dp_ranks=[DPRankStats(s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage, busy,
-                              slowest - busy if measured else 0.0)   # type: ignore[operator]
+                              slowest - busy if measured else 0.0,   # type: ignore[operator]
+                              kv_events=s.kv_events)
                   for s, busy in zip(per_rank, busy_seconds)],
     )
 

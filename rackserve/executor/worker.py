@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from rackserve.config import EngineConfig
+from rackserve.config import EngineConfig, KVEventsConfig
 
 # How long stopping workers waits for them to leave by themselves before SIGTERM, then SIGKILL.
 STOP_GRACE_S = 5.0
@@ -127,7 +127,8 @@ def config_mismatch(mine: EngineConfig, rank0: EngineConfig) -> str | None:
     def comparable(c: EngineConfig) -> dict[str, Any]:
         model = dataclasses.replace(c.model, model="", tokenizer="", served_model_name="")
         parallel = dataclasses.replace(c.parallel, node_rank=0)
-        return dataclasses.asdict(dataclasses.replace(c, model=model, parallel=parallel))
+        # KV events are published by node 0's engine alone: other nodes need not agree on them.
+        return dataclasses.asdict(dataclasses.replace(c, model=model, parallel=parallel, kv_events=KVEventsConfig()))
     a, b = comparable(mine), comparable(rank0)
     diff = [f"{section}.{key}: {b[section][key]!r} on node 0, {a[section][key]!r} here"
             for section in a for key in a[section] if a[section][key] != b[section][key]]

@@ -1,1 +1,3 @@
-"""The cluster face: picks instances for requests and orchestrates prefill/decode."""
+"""The cluster face: picks an instance (and DP rank) for each request from what the instances'
+KV events say they cache and what the router itself has sent them, and orchestrates
+prefill/decode (pd_proxy.py)."""

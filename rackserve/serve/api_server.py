@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rackserve import __version__
 from rackserve.config import EngineArgs
 from rackserve.engine.async_engine import AsyncEngine
+from rackserve.engine.kv_event_publisher import KVEventPublisher
 from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from rackserve.serve.admission import Admission, AdmissionMiddleware
 from rackserve.serve.limits import ServerLimits
@@ -44,9 +45,11 @@ RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 
 
 def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
-              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine`; `stat_logger` must be one of the engine's stat loggers.
-    Its door (`app.state.admission`, see admission.py) checks `api_key` when one is given."""
+              limits: ServerLimits | None = None, api_key: str | None = None,
+              kv_publisher: KVEventPublisher | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; `stat_logger` (and `kv_publisher`, when KV events are on)
+    must be among the engine's stat loggers. Its door (`app.state.admission`, see admission.py)
+    checks `api_key` when one is given."""
     limits = limits or ServerLimits()
     model_name = engine.config.model.served_model_name
     completions = OpenAIServingCompletion(engine, model_name, limits)
@@ -108,6 +111,11 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
     async def metrics() -> Response:
         return Response(stat_logger.exposition(), media_type=stat_logger.content_type)
 
+    @app.get("/kv_events")
+    async def kv_events() -> dict[str, Any]:
+        """What a router needs to follow this instance's prefix cache, given only its URL."""
+        return kv_events_info(engine.config, kv_publisher)
+
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
         request = _parse(CompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
@@ -166,6 +174,18 @@ async def _read_body(raw: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
+    """Endpoints per DP rank (a wildcard host means: this instance's host), topic, and how blocks
+    are named (core/hashing.py: chained 64-bit BLAKE2b from root_hash(hash_seed))."""
+    pubs = publisher.publishers if publisher is not None else []
+    return {"enable_kv_cache_events": publisher is not None,
+            "endpoints": [p.endpoint for p in pubs], "replay_endpoints": [p.replay_endpoint for p in pubs],
+            "topic": publisher.config.topic if publisher is not None else None,
+            "block_size": config.cache.block_size, "hash_scheme": "rackserve-blake2b64-chained", "hash_seed": 0,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "data_parallel_size": config.parallel.data_parallel_size}
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -230,10 +250,20 @@ def run_server(args: argparse.Namespace) -> None:
     SystemExit(1), so that whatever supervises it sees the failure."""
     engine_args = EngineArgs.from_cli_args(args)
     limits = ServerLimits.from_cli_args(args)
-    stat_logger = PrometheusStatLogger(engine_args.create_engine_config().model.served_model_name)
-    engine = AsyncEngine(engine_args, stat_loggers=[stat_logger], max_waiting_requests=limits.max_waiting_requests)
+    config = engine_args.create_engine_config()
+    stat_logger = PrometheusStatLogger(config.model.served_model_name)
+    kv_publisher = None
+    if config.kv_events is not None and config.kv_events.enable_kv_cache_events:
+        kv_publisher = KVEventPublisher(config.kv_events, config.parallel.data_parallel_size)
     try:
-        app = build_app(engine, stat_logger, limits, args.api_key)
+        engine = AsyncEngine(engine_args, stat_loggers=[stat_logger] + ([kv_publisher] if kv_publisher else []),
+                             max_waiting_requests=limits.max_waiting_requests)
+    except BaseException:
+        if kv_publisher is not None:
+            kv_publisher.shutdown()
+        raise
+    try:
+        app = build_app(engine, stat_logger, limits, args.api_key, kv_publisher)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=3)
         # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
@@ -246,6 +276,8 @@ def run_server(args: argparse.Namespace) -> None:
                 signal.signal(sig, handler)
     finally:
         engine.shutdown()
+        if kv_publisher is not None:
+            kv_publisher.shutdown()
     if died is not None:
         print(f"rackserve serve: {died}; exiting", file=sys.stderr, flush=True)
         raise SystemExit(1)
