@@ -41,7 +41,8 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutput deltas until the request finishes. Raises ValueError before the
         first yield for a request that can never run; aborts the request if the caller stops
         iterating early (a client that went away)."""
@@ -54,7 +55,8 @@ class AsyncEngine:
         self.num_waiting += weight
         finished = added = False
         try:
-            prepared = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, cache_salt)
+            prepared = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, cache_salt,
+                                               data_parallel_rank)
             stream: asyncio.Queue = asyncio.Queue()
             self._send("add", (prepared, asyncio.get_running_loop(), stream))
             added = True

@@ -39,10 +39,12 @@ class EngineCore:
         assert len(self.schedulers) == 1, "a data-parallel instance has one scheduler per DP rank"
         return self.schedulers[0]
 
-    def add_requests(self, requests: list[Request]) -> int:
-        """Queue requests of one prompt (its n samples) on one DP rank, which shares their prompt's
-        KV, and return that rank; raises ValueError if they can never fit (nothing is queued then)."""
-        rank = self.placement(self.schedulers, requests[0])
+    def add_requests(self, requests: list[Request], dp_rank: int | None = None) -> int:
+        """Queue requests of one prompt (its n samples) on one DP rank (`dp_rank` when the caller
+        pins one, as a router does, else the placement policy's), which shares their prompt's KV,
+        and return that rank; raises ValueError if they can never fit (nothing is queued then)."""
+        rank = self.placement(self.schedulers, requests[0]) if dp_rank is None else dp_rank
+        assert 0 <= rank < len(self.schedulers), f"no DP rank {rank}"
         for request in requests:
             self.schedulers[rank].add_request(request)
         return rank

@@ -45,6 +45,7 @@ class PreparedRequest:
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    data_parallel_rank: int | None = None   # pinned by the caller (a router); None: placement picks
 
 
 class LLMEngine:
@@ -66,7 +67,7 @@ class LLMEngine:
         self.failure: BaseException | None = None   # why the engine is dead, once a step raised
 
     def prepare(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams,
-                cache_salt: str | None = None) -> PreparedRequest:
+                cache_salt: str | None = None, data_parallel_rank: int | None = None) -> PreparedRequest:
         """Tokenize and validate; raises ValueError for a request that can never run."""
         text, token_ids = self._tokenize(prompt)
         if self.tokenizer is None and params.stop:
@@ -89,7 +90,10 @@ class LLMEngine:
                              f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
                              f"the prompt, {params.max_tokens} in the completion). Please reduce the "
                              "length of the prompt or max_tokens.")
-        return PreparedRequest(request_id, text, token_ids, params, self.clock(), cache_salt)
+        dp_size = self.config.parallel.data_parallel_size
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < dp_size:
+            raise ValueError(f"data_parallel_rank={data_parallel_rank}; this instance has DP ranks 0..{dp_size - 1}")
+        return PreparedRequest(request_id, text, token_ids, params, self.clock(), cache_salt, data_parallel_rank)
 
     def add_prepared(self, req: PreparedRequest) -> None:
         self.check_alive()
@@ -99,7 +103,7 @@ class LLMEngine:
             Request(engine_id, req.prompt_token_ids, req.params if req.params.n == 1 else req.params.child(index),
                     eos_token_ids=self.eos_token_ids, arrival_time=req.arrival_time,
                     cache_salt=req.cache_salt)
-            for index, engine_id in enumerate(engine_ids)])
+            for index, engine_id in enumerate(engine_ids)], req.data_parallel_rank)
 
     def add_request(self, request_id: str, prompt: PromptType | list[int], params: SamplingParams) -> None:
         self.add_prepared(self.prepare(request_id, prompt, params))

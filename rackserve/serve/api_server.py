@@ -180,7 +180,8 @@ def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str,
     """Endpoints per DP rank (a wildcard host means: this instance's host), topic, and how blocks
     are named (core/hashing.py: chained 64-bit BLAKE2b from root_hash(hash_seed))."""
     pubs = publisher.publishers if publisher is not None else []
-    return {"enable_kv_cache_events": publisher is not None,
+    return {"enable_kv_cache_events": publisher is not None, "tokenizer": config.model.tokenizer,
+            "served_model_name": config.model.served_model_name,
             "endpoints": [p.endpoint for p in pubs], "replay_endpoints": [p.replay_endpoint for p in pubs],
             "topic": publisher.config.topic if publisher is not None else None,
             "block_size": config.cache.block_size, "hash_scheme": "rackserve-blake2b64-chained", "hash_seed": 0,

@@ -51,6 +51,9 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: requests with different salts never share prefix-cache blocks (tenant isolation)
     cache_salt: str | None = Field(default=None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None   # vLLM's P/D orders (kv_transfer/)
+    # vLLM's: pin the request to this DP rank of the instance (the router's choice); None: the
+    # instance's own placement.
+    data_parallel_rank: int | None = None
 
     def unsupported(self) -> str | None:
         """The name of a field set to something this server cannot honour, if any."""

@@ -53,7 +53,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs)
         top_k = request.top_logprobs or 0
         request_id = f"chatcmpl-{request_id or uuid.uuid4().hex}"
-        streams = await self.start([prompt], params, request_id, request.cache_salt)
+        streams = await self.start([prompt], params, request_id, request.cache_salt,
+                                   request.data_parallel_rank)
         if request.stream:
             return self._stream(request, streams, request_id, params.n, top_k)
         try:

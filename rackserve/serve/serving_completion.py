@@ -29,7 +29,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request, len(prompts), request.logprobs, request.best_of)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
         request_id = f"cmpl-{request_id or uuid.uuid4().hex}"
-        streams = await self.start(prompts, params, request_id, request.cache_salt)
+        streams = await self.start(prompts, params, request_id, request.cache_salt,
+                                   request.data_parallel_rank)
         # Without a tokenizer the text is empty: the token ids are the answer.
         with_ids = request.return_token_ids or self.tokenizer is None
         if request.stream:

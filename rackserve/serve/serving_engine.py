@@ -65,9 +65,11 @@ class RequestStreams:
     """
 
     def __init__(self, engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None) -> None:
+                 request_id: str, cache_salt: str | None = None,
+                 data_parallel_rank: int | None = None) -> None:
         self.engine = engine
         self.cache_salt = cache_salt
+        self.data_parallel_rank = data_parallel_rank
         # A client's X-Request-Id is only the stem: two requests sent with the same one must
         # still get distinct engine ids.
         unique = uuid.uuid4().hex[:8]
@@ -79,7 +81,8 @@ class RequestStreams:
 
     async def _pump(self, index: int, prompt: str | list[int], params: SamplingParams) -> None:
         try:
-            async for out in self.engine.generate(prompt, params, self.request_ids[index], self.cache_salt):
+            async for out in self.engine.generate(prompt, params, self.request_ids[index], self.cache_salt,
+                                                  data_parallel_rank=self.data_parallel_rank):
                 self._queue.put_nowait((index, out))
         except Exception as e:  # handed to the consumer, which decides between 400 and 500
             self._queue.put_nowait((index, e))
@@ -211,8 +214,9 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
 
     async def start(self, prompts: list[str | list[int]], params: SamplingParams,
-                    request_id: str, cache_salt: str | None = None) -> RequestStreams:
-        streams = RequestStreams(self.engine, prompts, params, request_id, cache_salt)
+                    request_id: str, cache_salt: str | None = None,
+                    data_parallel_rank: int | None = None) -> RequestStreams:
+        streams = RequestStreams(self.engine, prompts, params, request_id, cache_salt, data_parallel_rank)
         try:
             await streams.start()
         except BaseException as e:  # includes the handler's cancellation on client disconnect

@@ -1,0 +1,81 @@
+"""`rackserve router`: the router's flags and its server's life (uvicorn around RouterFront).
+
+This file owns the command and its flags; it imports the router only when the command runs, so
+`rackserve --help` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from rackserve.serve.cli import register_subcommand
+
+POLICIES = ("kv", "prefix", "least_load", "round_robin")   # router/policies.py's registry
+
+
+def add_router_policy_args(parser: argparse.ArgumentParser, flag: str = "--policy") -> None:
+    parser.add_argument(flag, default="kv", choices=POLICIES,
+                        help="kv: least uncached prefill + active blocks (Dynamo); prefix: SGLang's "
+                             "cache-aware rule; least_load; round_robin")
+    parser.add_argument("--overlap-weight", type=float, default=1.0,
+                        help="kv policy: weight of uncached prefill blocks against active blocks")
+    parser.add_argument("--router-temperature", type=float, default=0.0,
+                        help="kv policy: 0 takes the lowest cost; > 0 samples, softmax over -cost/T")
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", action="append", default=[], required=True, metavar="URL",
+                        help="an instance's base URL (rackserve serve), repeatable")
+    add_router_policy_args(parser)
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer path (default: the one the first instance reports at /kv_events)")
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def policy_options(args: argparse.Namespace) -> dict:
+    if args.policy == "kv":
+        return {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
+    return {}
+
+
+async def serve_router(args: argparse.Namespace, workers: list[str], policy: str,
+                       started: "asyncio.Event | None" = None) -> None:
+    """Runs the router on args.host:args.port until the server is told to stop."""
+    import uvicorn
+
+    from rackserve.router.policies import create_policy
+    from rackserve.router.router import Router
+    from rackserve.router.server import RouterFront, build_router_app
+
+    router = Router(workers, create_policy(policy, **policy_options(args)), args.health_interval)
+    front = RouterFront(router, args.tokenizer)
+    try:
+        await front.start()
+        server = uvicorn.Server(uvicorn.Config(build_router_app(front), host=args.host, port=args.port,
+                                               log_level=args.uvicorn_log_level))
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"rackserve router: {policy} routing over {len(router.healthy)}/{len(workers)} instances "
+                  f"at http://{args.host}:{args.port}/v1 (metrics at /metrics)", flush=True)
+            if started is not None:
+                started.set()
+        await task
+    finally:
+        await router.close()
+
+
+@register_subcommand("router", "route OpenAI requests over instances by their KV caches", _add_args)
+def _router(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(serve_router(args, args.worker, args.policy))
+    except RuntimeError as e:
+        print(f"rackserve router: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,157 @@
+"""Routing policies: a small base class and a registry by name (`--policy`), each picking one
+worker (an instance and DP rank) for a request from the index of what workers cache and the
+router's predicted loads.
+
+- kv (default), Dynamo's rule: cost = overlap_weight * (the request's uncached blocks + the
+  worker's queued prefill blocks) + the worker's active blocks; lowest cost wins, ties go to the
+  worker with the smaller index, then at random. A temperature > 0 samples with
+  p ~ exp(-normalised cost / T) instead.
+- prefix, SGLang's cache-aware rule over an approximate per-worker LRU of the blocks routed there.
+- least_load (fewest active requests) and round_robin: the baselines `kv` is measured against.
+
+This file never talks to an instance and never changes the index or the loads.
+"""
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Callable, NamedTuple
+
+from rackserve.router.index import KVIndex, WorkerKey
+from rackserve.router.load import ActiveLoads
+
+
+class Decision(NamedTuple):
+    worker: WorkerKey
+    overlap_blocks: int          # of the prompt's blocks, those the policy expects cached there
+
+
+class RoutingPolicy(ABC):
+    name: str
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    @abstractmethod
+    def choose(self, hashes: Sequence[int], workers: Sequence[WorkerKey], index: KVIndex,
+               loads: ActiveLoads) -> Decision:
+        """Pick one of `workers` (never empty) for a prompt whose full blocks hash to `hashes`.
+        May update the policy's own state (what it routed where), nothing else."""
+
+
+ROUTING_POLICIES: dict[str, Callable[..., RoutingPolicy]] = {}
+
+
+def register_policy(cls):
+    ROUTING_POLICIES[cls.name] = cls
+    return cls
+
+
+def create_policy(name: str, **options) -> RoutingPolicy:
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(ROUTING_POLICIES)}")
+    return ROUTING_POLICIES[name](**options)
+
+
+@register_policy
+class KvPolicy(RoutingPolicy):
+    name = "kv"
+
+    def __init__(self, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.overlap_weight, self.temperature = overlap_weight, temperature
+
+    def costs(self, hashes: Sequence[int], workers: Sequence[WorkerKey], index: KVIndex,
+              loads: ActiveLoads) -> tuple[list[float], dict[WorkerKey, int]]:
+        overlaps = index.overlaps(hashes)
+        costs = []
+        for worker in workers:
+            load = loads.get(worker)
+            uncached = len(hashes) - overlaps.get(worker, 0)
+            costs.append(self.overlap_weight * (uncached + load.prefill_blocks) + load.active_blocks)
+        return costs, overlaps
+
+    def choose(self, hashes, workers, index, loads):
+        costs, overlaps = self.costs(hashes, workers, index, loads)
+        if self.temperature > 0:
+            low, high = min(costs), max(costs)
+            span = (high - low) or 1.0
+            weights = [math.exp(-(c - low) / span / self.temperature) for c in costs]
+            worker = self.rng.choices(list(workers), weights)[0]
+        else:
+            best = min(costs)
+            tied = [w for w, c in zip(workers, costs) if c == best]
+            smallest = min(index.num_blocks(w) for w in tied)
+            worker = self.rng.choice([w for w in tied if index.num_blocks(w) == smallest])
+        return Decision(worker, overlaps.get(worker, 0))
+
+
+@register_policy
+class PrefixPolicy(RoutingPolicy):
+    """SGLang's cache-aware routing: when loads are imbalanced (max - min active requests above
+    balance_abs_threshold and max above balance_rel_threshold * min) the shortest queue wins;
+    otherwise the worker whose routed-prefix tree matches best, if the match rate reaches
+    cache_threshold, else the worker with the smallest tree. The tree is an approximate LRU of
+    block hashes per worker (`capacity` blocks), fed by the router's own decisions."""
+    name = "prefix"
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.5, capacity: int = 1 << 16, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.cache_threshold, self.capacity = cache_threshold, capacity
+        self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
+        self.trees: dict[WorkerKey, OrderedDict[int, None]] = {}
+
+    def _match(self, worker: WorkerKey, hashes: Sequence[int]) -> int:
+        tree = self.trees.get(worker, {})
+        n = 0
+        while n < len(hashes) and hashes[n] in tree:
+            n += 1
+        return n
+
+    def choose(self, hashes, workers, index, loads):
+        queues = [loads.get(w).active_requests for w in workers]
+        matches = [self._match(w, hashes) for w in workers]
+        if (max(queues) - min(queues) > self.balance_abs_threshold
+                and max(queues) > self.balance_rel_threshold * min(queues)):
+            i = queues.index(min(queues))
+        elif hashes and max(matches) / len(hashes) >= self.cache_threshold:
+            i = matches.index(max(matches))
+        else:
+            sizes = [len(self.trees.get(w, ())) for w in workers]
+            i = sizes.index(min(sizes))
+        worker = workers[i]
+        tree = self.trees.setdefault(worker, OrderedDict())
+        for block_hash in hashes:
+            tree[block_hash] = None
+            tree.move_to_end(block_hash)
+        while len(tree) > self.capacity:
+            tree.popitem(last=False)
+        return Decision(worker, matches[i])
+
+
+@register_policy
+class LeastLoadPolicy(RoutingPolicy):
+    name = "least_load"
+
+    def choose(self, hashes, workers, index, loads):
+        queues = [loads.get(w).active_requests for w in workers]
+        worker = self.rng.choice([w for w, q in zip(workers, queues) if q == min(queues)])
+        return Decision(worker, index.overlaps(hashes).get(worker, 0))
+
+
+@register_policy
+class RoundRobinPolicy(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self.next = 0
+
+    def choose(self, hashes, workers, index, loads):
+        worker = workers[self.next % len(workers)]
+        self.next += 1
+        return Decision(worker, index.overlaps(hashes).get(worker, 0))

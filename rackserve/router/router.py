@@ -1,0 +1,153 @@
+"""Router: the pool of instances behind one URL and the decision for each request.
+
+An instance joins from its URL alone: GET /kv_events says its DP ranks, block size, tokenizer
+and event endpoints, and one KVEventSubscriber per DP rank keeps the index current. Health
+checks (GET /health) take an instance that dies or stops answering out of the pool, dropping
+its index entries and predicted load, and let it back in once it answers again (its index is
+rebuilt by replay). `route` tokenizes nothing: it hashes the prompt's token ids with the
+instances' scheme (core/hashing.py) and asks the policy. This file never speaks OpenAI (the
+front in server.py does).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import aiohttp
+
+from rackserve.core.hashing import block_hashes
+from rackserve.engine.kv_events import connectable
+from rackserve.router.events import KVEventSubscriber
+from rackserve.router.index import KVIndex, WorkerKey
+from rackserve.router.load import ActiveLoads
+from rackserve.router.metrics import RouterMetrics
+from rackserve.router.policies import Decision, RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    url: str
+    info: dict = field(default_factory=dict)          # its GET /kv_events
+    healthy: bool = False
+    subscribers: list[KVEventSubscriber] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[WorkerKey]:
+        return [WorkerKey(self.url, rank) for rank in range(self.info.get("data_parallel_size", 1))]
+
+
+class Router:
+    def __init__(self, urls: list[str], policy: RoutingPolicy, health_interval_s: float = 1.0,
+                 health_timeout_s: float = 5.0) -> None:
+        assert urls, "a router needs at least one instance"
+        self.instances = {url.rstrip("/"): Instance(url.rstrip("/")) for url in urls}
+        self.policy = policy
+        self.index = KVIndex()
+        self.loads = ActiveLoads()
+        self.metrics = RouterMetrics(policy.name)
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.block_size: int | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession()
+        await asyncio.gather(*(self._join(i) for i in self.instances.values()))
+        self._health_task = asyncio.ensure_future(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for instance in self.instances.values():
+            for sub in instance.subscribers:
+                await sub.close()
+        if self.session is not None:
+            await self.session.close()
+
+    @property
+    def healthy(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.healthy]
+
+    def route(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Decision | None:
+        """The policy's pick among healthy workers of instances not in `exclude`; None if none."""
+        workers = [w for i in self.healthy if i.url not in exclude for w in i.workers]
+        if not workers:
+            return None
+        hashes = block_hashes(token_ids, self.block_size) if self.block_size else []
+        return self.policy.choose(hashes, workers, self.index, self.loads)
+
+    async def leave(self, instance: Instance, reason: str) -> None:
+        if not instance.healthy:
+            return
+        logger.warning("router: %s leaves the pool: %s", instance.url, reason)
+        instance.healthy = False
+        subscribers, instance.subscribers = instance.subscribers, []
+        for worker in instance.workers:
+            if worker in self.index.blocks:
+                self.index.remove_worker(worker)
+            self.loads.drop_worker(worker)
+        self._gauge()
+        for sub in subscribers:
+            await sub.close()
+
+    async def _join(self, instance: Instance) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+        try:
+            async with self.session.get(f"{instance.url}/health", timeout=timeout) as resp:
+                if resp.status != 200:
+                    return
+            async with self.session.get(f"{instance.url}/kv_events", timeout=timeout) as resp:
+                info = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        if self.block_size is None:
+            self.block_size = info["block_size"]
+        elif info["block_size"] != self.block_size:
+            logger.error("router: %s has block size %s, the pool %s: left out", instance.url,
+                         info["block_size"], self.block_size)
+            return
+        instance.info = info
+        if info.get("enable_kv_cache_events"):
+            host = urlparse(instance.url).hostname or "127.0.0.1"
+            replays = info["replay_endpoints"]
+            for worker, endpoint, replay in zip(instance.workers, info["endpoints"], replays):
+                self.index.clear(worker)
+                instance.subscribers.append(KVEventSubscriber(
+                    worker, connectable(endpoint, host), connectable(replay, host) if replay else None,
+                    info["topic"] or "", self.index, self._counter(instance.url)))
+        instance.healthy = True
+        logger.info("router: %s joins the pool (%d DP ranks)", instance.url, len(instance.workers))
+        self._gauge()
+
+    def _counter(self, url: str):
+        def on_batch(received: int, dropped: int) -> None:
+            if received:
+                self.metrics.events_received.labels(url).inc(received)
+            if dropped:
+                self.metrics.events_dropped.labels(url).inc(dropped)
+        return on_batch
+
+    def _gauge(self) -> None:
+        self.metrics.healthy_instances.set(len(self.healthy))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await asyncio.gather(*(self._check(i) for i in self.instances.values()))
+
+    async def _check(self, instance: Instance) -> None:
+        if not instance.healthy:
+            await self._join(instance)
+            return
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+            async with self.session.get(f"{instance.url}/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        if not ok:
+            await self.leave(instance, "health check failed")

@@ -1,0 +1,202 @@
+"""`rackserve router`: an OpenAI-compatible front (chat and completions, streaming or not) that
+sends each request to the worker (instance, DP rank) its policy picks.
+
+For each request it renders the chat template and tokenizes with the instances' tokenizer,
+hashes the blocks (router.py) and forwards the body unchanged but for `data_parallel_rank`, the
+pinned DP rank. A request that got no token yet (the instance is unreachable or answers 5xx) is
+retried on the next best instance; a stream that already started ends with an OpenAI error event
+and [DONE]; instance errors (4xx) pass through as they are; with no instance left the client
+gets a 503. This file never picks a worker itself and never touches the index.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+import aiohttp
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
+from rackserve.router.router import Instance, Router
+from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: dict) -> list[int]:
+    """The token ids the instance will see for this body (its first prompt); [] when the body
+    is not valid (the instance then answers with the error) or there is no tokenizer."""
+    if tokenizer is None:
+        return []
+    try:
+        if path.endswith("chat/completions"):
+            return tokenizer.apply_chat_template(ChatCompletionRequest.model_validate(body).chat_messages())
+        prompt = CompletionRequest.model_validate(body).prompts()[0]
+        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    except Exception:   # noqa: BLE001 - any refusal is the instance's to word
+        return []
+
+
+class RouterFront:
+    def __init__(self, router: Router, tokenizer_path: str | None = None,
+                 request_timeout_s: float = 600.0) -> None:
+        self.router = router
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer: Tokenizer | None = None
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=request_timeout_s)
+
+    async def start(self) -> None:
+        await self.router.start()
+        path = self.tokenizer_path or next((i.info["tokenizer"] for i in self.router.healthy), None)
+        if path is None:
+            raise RuntimeError("no instance answered and no --tokenizer was given")
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, path)
+
+    async def forward(self, path: str, raw: bytes) -> Response:
+        try:
+            body = json.loads(raw)
+            assert isinstance(body, dict)
+        except (ValueError, AssertionError):
+            return _error(OpenAIError("the request body is not a JSON object"))
+        token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, body)
+        num_blocks = len(token_ids) // self.router.block_size if self.router.block_size else 0
+        tried: set[str] = set()
+        last_error: Response | None = None
+        while True:
+            decision = self.router.route(token_ids, tried)
+            if decision is None:
+                return last_error or _error(OpenAIError("no instance is available", 503, type="server_error"))
+            if tried:
+                self.router.metrics.retries.inc()
+            worker = decision.worker
+            tried.add(worker.url)
+            request_id = uuid.uuid4().hex
+            self.router.loads.add(request_id, worker, max(num_blocks, 1), num_blocks - decision.overlap_blocks)
+            self.router.metrics.routed(worker.url, worker.dp_rank, len(token_ids),
+                                       decision.overlap_blocks * (self.router.block_size or 0))
+            try:
+                response = await self._send(worker.url, path, {**body, "data_parallel_rank": worker.dp_rank},
+                                            request_id)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                self.router.loads.finish(request_id)
+                await self.router.leave(self.router.instances[worker.url], f"request failed: {e!r}")
+                continue
+            if response.status_code >= 500:
+                self.router.loads.finish(request_id)
+                last_error = response
+                continue
+            return response
+
+    async def _send(self, url: str, path: str, body: dict, request_id: str) -> Response:
+        """The instance's answer; raises on a connection that fails before the first token."""
+        session = self.router.session
+        resp = await session.post(f"{url}{path}", json=body, timeout=self.timeout)
+        try:
+            if resp.status != 200 or not body.get("stream"):
+                data = await resp.read()
+                self.router.loads.finish(request_id)
+                if resp.status == 200:
+                    self._count_usage(url, data)
+                return Response(data, status_code=resp.status, media_type=resp.content_type)
+            first = await _read_event(resp)   # raises if the instance dies before its first chunk
+        except BaseException:
+            resp.release()
+            raise
+        self.router.loads.first_token(request_id)
+        return StreamingResponse(self._stream(url, resp, first, request_id), media_type="text/event-stream")
+
+    async def _stream(self, url: str, resp: aiohttp.ClientResponse, first: bytes,
+                      request_id: str) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            while True:
+                event = await _read_event(resp)
+                if not event:
+                    break
+                if b'"usage"' in event:
+                    self._count_usage(url, event.split(b"data:", 1)[-1])
+                yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            body = OpenAIError(f"the instance failed mid-stream: {e!r}", 502, type="server_error").body()
+            yield f"data: {json.dumps(body)}\n\n{SSE_DONE}".encode()
+        finally:
+            resp.release()
+            self.router.loads.finish(request_id)
+
+    def _count_usage(self, url: str, data: bytes) -> None:
+        try:
+            usage = json.loads(data).get("usage") or {}
+        except ValueError:
+            return
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.router.metrics.actual_cached.labels(url).inc(cached)
+
+
+async def _read_event(resp: aiohttp.ClientResponse) -> bytes:
+    """One SSE event (its lines through the blank line); b"" at the end of the stream."""
+    lines = []
+    while True:
+        line = await resp.content.readline()
+        if not line:
+            if lines:
+                raise ConnectionError("the stream ended inside an event")
+            return b""
+        lines.append(line)
+        if line in (b"\n", b"\r\n"):
+            return b"".join(lines)
+
+
+def _error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def build_router_app(front: RouterFront) -> FastAPI:
+    router = front.router
+    app = FastAPI(title="rackserve router")
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await front.forward("/v1/completions", await raw.body())
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await front.forward("/v1/chat/completions", await raw.body())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for instance in router.healthy:
+            try:
+                async with router.session.get(f"{instance.url}/v1/models") as resp:
+                    return Response(await resp.read(), status_code=resp.status, media_type=resp.content_type)
+            except aiohttp.ClientError:
+                continue
+        return _error(OpenAIError("no instance is available", 503, type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.healthy:
+            return Response(status_code=200)
+        return _error(OpenAIError("no instance is available", 503, type="server_error"))
+
+    @app.get("/router")
+    async def state() -> dict[str, Any]:
+        """The pool as the router sees it: health, DP ranks, index size and predicted load."""
+        return {"policy": router.policy.name, "instances": [_describe(router, i) for i in router.instances.values()]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.metrics.index_blocks.set(router.index.num_blocks())
+        return Response(router.metrics.exposition(), media_type=router.metrics.content_type)
+
+    return app
+
+
+def _describe(router: Router, instance: Instance) -> dict[str, Any]:
+    return {"url": instance.url, "healthy": instance.healthy,
+            "workers": [{"dp_rank": w.dp_rank, "index_blocks": router.index.num_blocks(w),
+                         **vars(router.loads.get(w))} for w in instance.workers]}

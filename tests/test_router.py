@@ -1,0 +1,186 @@
+"""The router end to end: two real `rackserve serve` instances publishing KV events, a real
+`rackserve router` in front, driven by the official `openai` client. A session's later turns
+land where its prefix lives, load spreads when no prefix is cached, a router that starts late
+rebuilds its index by replay, errors pass through, and a dead instance is routed around
+without losing a request. (The last test kills an instance: it runs last.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import openai
+import pytest
+
+from rackserve.distributed.parallel_state import free_port
+from tests.server_utils import start_server
+from tests.tiny_models import build_tiny_model
+from tests.tokenizer_utils import save_test_tokenizer
+
+MODEL, VOCAB, MAX_MODEL_LEN, BS = "tiny", 512, 1024, 16
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+class Cluster(NamedTuple):
+    instances: list[tuple[subprocess.Popen, str]]
+    router: subprocess.Popen
+    url: str
+    tokenizer: str
+
+
+def start_router(workers: list[str], log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "router", "--port", str(port),
+                                 "--health-interval", "0.3", *flags, *[a for w in workers for a in ("--worker", w)]],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"router did not come up:\n{Path(log_path).read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("router")
+    model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=MAX_MODEL_LEN)
+    save_test_tokenizer(str(root / "tok"), VOCAB)
+    instances = []
+    try:
+        for i in range(2):
+            events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
+                                 "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"})
+            instances.append(start_server(
+                ["--model", model, "--tokenizer", str(root / "tok"), "--served-model-name", MODEL, "--device", "cpu",
+                 "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--block-size", str(BS),
+                 "--kv-events-config", events], root / f"instance{i}.log"))
+        router, url = start_router([u for _, u in instances], root / "router.log")
+        yield Cluster(instances, router, url, str(root / "tok"))
+        router.terminate()
+        router.wait(timeout=30)
+    finally:
+        for proc, _ in instances:
+            proc.terminate()
+        for proc, _ in instances:
+            proc.wait(timeout=30)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def routed(url: str) -> dict[str, float]:
+    """rackserve_router:requests_total by instance URL."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("rackserve_router:requests_total{"):
+            instance = line.split('instance="')[1].split('"')[0]
+            counts[instance] = counts.get(instance, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def test_instance_reports_its_kv_events(cluster):
+    info = httpx.get(f"{cluster.instances[0][1]}/kv_events").json()
+    assert info["enable_kv_cache_events"] and info["block_size"] == BS and info["data_parallel_size"] == 1
+    assert info["endpoints"][0].startswith("tcp://*:") and info["replay_endpoints"][0].startswith("tcp://*:")
+    assert info["topic"] == "kv" and info["tokenizer"] == cluster.tokenizer
+
+
+def test_session_turns_land_where_their_prefix_lives(cluster):
+    c = client(cluster.url)
+    for session in range(3):
+        messages = [{"role": "system", "content": f"Session {session}: " + "the quick brown fox " * 30}]
+        before = routed(cluster.url)
+        cached = []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn} of session {session}, please go on"})
+            reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+            cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            time.sleep(0.2)   # the finished turn's KV events reach the router
+        went = delta(before, routed(cluster.url))
+        assert len(went) == 1 and sum(went.values()) == 3, went   # every turn on one instance
+        assert cached[0] < cached[1] < cached[2], cached
+
+
+def test_load_spreads_when_no_prefix_is_cached(cluster):
+    before = routed(cluster.url)
+    c = client(cluster.url)
+    prompts = [f"{i} " + "Caches keep the keys and values of earlier tokens " * 6 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24, **GREEDY), prompts))
+    went = delta(before, routed(cluster.url))
+    assert len(went) == 2 and min(went.values()) >= 2, went
+
+
+def test_router_answers_like_the_instance_streaming_or_not(cluster):
+    direct, via = client(cluster.instances[0][1]), client(cluster.url)
+    prompt = "Paged attention splits the cache into blocks"
+    want = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY).choices[0].text
+    assert via.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY).choices[0].text == want
+    chunks = list(via.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        via.completions.create(model=MODEL, prompt=prompt, max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        via.completions.create(model="other", prompt=prompt, max_tokens=1)
+
+
+def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
+    """Prefixes cached before this router existed still draw their requests (replay socket)."""
+    prompt = "Session late: " + "a prefix hit skips work already done " * 12
+    before = routed(cluster.url)
+    client(cluster.url).completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    [holder] = delta(before, routed(cluster.url))
+    time.sleep(0.2)
+    proc, url = start_router([u for _, u in cluster.instances], tmp_path / "late.log")
+    try:
+        deadline = time.monotonic() + 10
+        while True:   # the replay runs as the router starts; its index fills without any request
+            state = httpx.get(f"{url}/router").json()
+            blocks = {i["url"]: i["workers"][0]["index_blocks"] for i in state["instances"]}
+            if blocks[holder] > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert blocks[holder] > 0, blocks
+        for _ in range(3):
+            reply = client(url).completions.create(model=MODEL, prompt=prompt + " more", max_tokens=2, **GREEDY)
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
+        assert routed(url) == {holder: 3}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_dead_instance_is_routed_around(cluster):
+    dead_proc, dead_url = cluster.instances[1]
+    dead_proc.kill()
+    dead_proc.wait()
+    c = client(cluster.url)
+    # No request is lost: one sent before the health check notices is retried on the live one.
+    for i in range(4):
+        out = c.completions.create(model=MODEL, prompt=f"{i} after the crash", max_tokens=4, **GREEDY)
+        assert out.usage.completion_tokens == 4
+        chunks = list(c.completions.create(model=MODEL, prompt=f"{i} streamed", max_tokens=4, stream=True, **GREEDY))
+        assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 1
+    state = httpx.get(f"{cluster.url}/router").json()
+    assert [i["healthy"] for i in state["instances"] if i["url"] == dead_url] == [False]

@@ -1,0 +1,91 @@
+"""Routing policies on a hand-built index and loads (no processes): Dynamo's kv cost, its tie
+rule and temperature, SGLang's prefix rule, the baselines; and the DP rank a router pins being
+the one the engine core uses."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rackserve.core.kv_events import BlockStored
+from rackserve.core.request import Request
+from rackserve.router.index import KVIndex, WorkerKey
+from rackserve.router.load import ActiveLoads
+from rackserve.router.policies import create_policy
+from rackserve.sampling_params import SamplingParams
+
+A, B, C = WorkerKey("a", 0), WorkerKey("a", 1), WorkerKey("b", 0)
+HASHES = [11, 12, 13, 14]
+
+
+def index_with(**cached: list[int]) -> KVIndex:
+    index = KVIndex()
+    for name, hashes in cached.items():
+        index.apply({"A": A, "B": B, "C": C}[name], BlockStored(hashes, None, [0] * 4 * len(hashes), 4))
+    return index
+
+
+def test_kv_prefers_the_longest_cached_prefix_until_load_outweighs_it():
+    index, loads = index_with(A=[11, 12, 13], B=[11]), ActiveLoads()
+    kv = create_policy("kv", seed=0)
+    assert kv.choose(HASHES, [A, B, C], index, loads) == (A, 3)
+    loads.add("r1", A, blocks=3, uncached_blocks=0)   # cost A = 1 + 3, B = 3 + 0, C = 4
+    assert kv.choose(HASHES, [A, B, C], index, loads) == (B, 1)
+    loads.finish("r1")
+    assert kv.choose(HASHES, [A, B, C], index, loads).worker == A
+    # Queued prefill counts until the first token.
+    loads.add("r2", A, blocks=1, uncached_blocks=5)
+    assert kv.choose(HASHES, [A, B, C], index, loads).worker == B
+    loads.first_token("r2")
+    assert loads.get(A).prefill_blocks == 0 and loads.get(A).active_blocks == 1
+
+
+def test_kv_breaks_ties_by_the_smaller_index_then_at_random():
+    index, loads = index_with(A=[99, 98]), ActiveLoads()
+    kv = create_policy("kv", seed=0)
+    assert {kv.choose(HASHES, [A, B, C], index, loads).worker for _ in range(50)} == {B, C}
+
+
+def test_kv_temperature_samples_by_cost():
+    index, loads = index_with(A=HASHES), ActiveLoads()
+    kv = create_policy("kv", temperature=1.0, seed=1)
+    picks = Counter(kv.choose(HASHES, [A, C], index, loads).worker for _ in range(400))
+    assert picks[A] > picks[C] > 0
+
+
+def test_prefix_follows_what_it_routed_unless_queues_are_imbalanced():
+    policy, index, loads = create_policy("prefix", balance_abs_threshold=2, seed=0), KVIndex(), ActiveLoads()
+    first = policy.choose(HASHES, [A, C], index, loads).worker
+    assert policy.choose(HASHES, [A, C], index, loads).worker == first        # match rate 1.0
+    other = C if first == A else A
+    assert policy.choose([7, 8, 9], [A, C], index, loads).worker == other     # no match: smaller tree
+    for i in range(4):
+        loads.add(f"r{i}", first, 1, 0)
+    assert policy.choose(HASHES, [A, C], index, loads).worker == other        # imbalanced: shortest queue
+
+
+def test_baselines():
+    index, loads = KVIndex(), ActiveLoads()
+    rr = create_policy("round_robin")
+    assert [rr.choose(HASHES, [A, B, C], index, loads).worker for _ in range(4)] == [A, B, C, A]
+    loads.add("r", A, 1, 1)
+    assert create_policy("least_load", seed=0).choose(HASHES, [A, C], index, loads).worker == C
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        create_policy("fastest")
+
+
+def test_index_drops_a_worker_and_reports_overlaps():
+    index = index_with(A=[11, 12], C=[11, 12, 13])
+    assert index.overlaps(HASHES) == {A: 2, C: 3}
+    index.remove_worker(C)
+    assert index.overlaps(HASHES) == {A: 2} and index.num_blocks() == 2 and 13 not in index.owners
+
+
+def test_the_engine_core_honours_a_pinned_dp_rank():
+    from tests.test_kv_events import FakeExecutor, config
+    from rackserve.engine.core import EngineCore
+    core = EngineCore(config(2), FakeExecutor(num_blocks=16, dp=2))
+    for i in range(3):
+        assert core.add_requests([Request(f"r{i}", [1, 2, 3], SamplingParams())], dp_rank=1) == 1
+    assert [len(s.waiting) for s in core.schedulers] == [0, 3]
+    assert core.add_requests([Request("free", [1, 2, 3], SamplingParams())]) == 0   # placement: least load
