@@ -9,7 +9,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
-.PHONY: serve test install
+.PHONY: serve test install cluster
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ install: $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/rackserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+# Two instances of the default model and the KV-aware router in front, at http://$(HOST):$(PORT)/v1.
+cluster: $(VENV)/.installed
+	$(VENV)/bin/rackserve cluster --instances 2 --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -37,8 +37,8 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
-def policy_options(args: argparse.Namespace) -> dict:
-    if args.policy == "kv":
+def policy_options(args: argparse.Namespace, policy: str) -> dict:
+    if policy == "kv":
         return {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
     return {}
 
@@ -52,7 +52,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     from rackserve.router.router import Router
     from rackserve.router.server import RouterFront, build_router_app
 
-    router = Router(workers, create_policy(policy, **policy_options(args)), args.health_interval)
+    router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval)
     front = RouterFront(router, args.tokenizer)
     try:
         await front.start()

@@ -1,0 +1,72 @@
+"""`rackserve cluster`: two instances and the router behind one URL, answering the openai
+client; an instance that dies stops the whole cluster (exit 1, no child left behind), and
+SIGINT stops it cleanly (exit 0)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rackserve.distributed.parallel_state import free_port
+from tests.tiny_models import build_tiny_model
+from tests.tokenizer_utils import save_test_tokenizer
+
+
+def start_cluster(model: str, tokenizer: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "cluster", "--instances", "2",
+                                 "--model", model, "--tokenizer", tokenizer, "--served-model-name", "tiny",
+                                 "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
+                                 "--threads", "2", "--port", str(port), "--health-interval", "0.3"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"cluster did not come up:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purpose (reaped by its parent's exit).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tmp_path):
+    model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", vocab_size=512, max_position_embeddings=512)
+    save_test_tokenizer(str(tmp_path / "tok"), 512)
+    proc, url = start_cluster(model, str(tmp_path / "tok"), tmp_path / "cluster.log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0.0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+        pids = [int(p) for p in re.findall(r"\(pid (\d+),", (tmp_path / "cluster.log").read_text())]
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert not alive(pids[1])
+        assert "instance 0 exited" in (tmp_path / "cluster.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
