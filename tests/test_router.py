@@ -143,6 +143,8 @@ def test_router_answers_like_the_instance_streaming_or_not(cluster):
         via.completions.create(model=MODEL, prompt=prompt, max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
         via.completions.create(model="other", prompt=prompt, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="data_parallel_rank"):   # the instance has one DP rank
+        direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"data_parallel_rank": 1})
 
 
 def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
