@@ -159,8 +159,8 @@ def added_latency(direct: str, router: str, model: str, n: int) -> dict:
                      _add_args)
 def run(args: argparse.Namespace) -> int:
     from rackserve.bench.limits import processor_name
-    from rackserve.router.cluster import start_instances, stop_instances, wait_healthy
-    args.kv_events_config = None
+    from rackserve.router.cluster import start_instances, stop_instances, stop_on_sigterm, wait_healthy
+    stop_on_sigterm()
     procs, urls = start_instances(args)
     try:
         failure = wait_healthy(procs, urls)

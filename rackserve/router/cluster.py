@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,6 +107,16 @@ async def run_cluster(args: argparse.Namespace, procs: list[subprocess.Popen], u
     return None
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM stops the cluster as Ctrl-C does (children stopped), not by dying and orphaning
+    them; the router's uvicorn takes both signals over while it serves."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def stop_instances(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -123,6 +134,7 @@ def _cluster(args: argparse.Namespace) -> int:
     if args.instances < 1:
         print("rackserve cluster: --instances must be >= 1", file=sys.stderr)
         return 2
+    stop_on_sigterm()
     procs, urls = start_instances(args)
     failure = None
     try:
