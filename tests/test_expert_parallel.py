@@ -25,7 +25,7 @@ from rackserve.engine.stats import StatLogger
 from rackserve.executor.worker import WorkerError
 from rackserve.model.moe import FusedMoE
 from rackserve.model.moe_dispatch import ExpertPlacement
-from rackserve.model.router import Routing
+from rackserve.model.gate import Routing
 from rackserve.serve.metrics import PrometheusStatLogger
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, prompts_for, run
 from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, build_tiny_model

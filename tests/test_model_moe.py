@@ -21,7 +21,7 @@ from rackserve.model.loader import ModelInfo, load_model, read_hf_config, safete
 from rackserve.model.models import get_model_class
 from rackserve.model.moe import DispatchedTokens, ExpertPlacement, FusedMoE
 from rackserve.model.rotary import inverse_frequencies, rope_attention_factor, rope_parameters
-from rackserve.model.router import Router, Routing, get_gate
+from rackserve.model.gate import MoEGate, Routing, get_gate
 from tests.tiny_models import load_hf
 
 BS = 4
@@ -196,7 +196,7 @@ def test_pruned_gate_leaves_the_logits_unchanged(fixture, request):
     model, info = load(path)
     ids = random_ids(80)
     plain = incremental_logits(model, info, ids, [50, 1, 1, 28])
-    routers = [m for m in model.modules() if isinstance(m, Router)]
+    routers = [m for m in model.modules() if isinstance(m, MoEGate)]
     assert routers
     for router in routers:
         router.gate = get_gate("pruned")(router.cfg)

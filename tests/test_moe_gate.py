@@ -14,7 +14,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from rackserve.model.pruned_gate import PrunedGate
-from rackserve.model.router import PlainGate, Router, Routing, RoutingConfig, choice_scores
+from rackserve.model.gate import PlainGate, MoEGate, Routing, RoutingConfig, choice_scores
 
 QWEN = RoutingConfig(128, 8, "softmax", norm_topk_prob=True)
 DEEPSEEK = RoutingConfig(256, 8, "sigmoid", True, num_groups=8, topk_groups=4, routed_scaling_factor=2.5,
@@ -27,9 +27,9 @@ CONFIGS = {
 }
 
 
-def random_router(cfg: RoutingConfig, hidden: int, gate: str, seed: int = 0) -> Router:
+def random_router(cfg: RoutingConfig, hidden: int, gate: str, seed: int = 0) -> MoEGate:
     g = torch.Generator().manual_seed(seed)
-    router = Router(hidden, cfg, gate)
+    router = MoEGate(hidden, cfg, gate)
     router.weight.data.copy_(torch.randn(cfg.num_experts, hidden, generator=g) * 0.05)
     if router.e_score_correction_bias is not None:
         router.e_score_correction_bias.data.copy_(torch.randn(cfg.num_experts, generator=g) * 0.05)
@@ -37,14 +37,14 @@ def random_router(cfg: RoutingConfig, hidden: int, gate: str, seed: int = 0) -> 
     return router
 
 
-def pruned_like(plain: Router) -> Router:
-    pruned = Router(plain.weight.shape[1], plain.cfg, "pruned")
+def pruned_like(plain: MoEGate) -> MoEGate:
+    pruned = MoEGate(plain.weight.shape[1], plain.cfg, "pruned")
     pruned.load_state_dict(plain.state_dict())
     pruned.process_weights_after_loading()
     return pruned
 
 
-def assert_same_routing(plain: Router, x: torch.Tensor, got: Routing) -> int:
+def assert_same_routing(plain: MoEGate, x: torch.Tensor, got: Routing) -> int:
     """The same experts (as sets) with bitwise equal weights, except for tokens where the plain
     gate's k-th and (k+1)-th choice scores agree to float32 rounding (relative to sum |w_i x_i|):
     there either choice is a correct top-k. Returns how many tokens differed."""
@@ -67,7 +67,7 @@ def test_plain_gate_matches_qwen3_moe_router():
     g = torch.Generator().manual_seed(0)
     ref = Qwen3MoeTopKRouter(config)
     ref.weight.data.normal_(0, 0.1, generator=g)
-    ours = Router(64, QWEN)
+    ours = MoEGate(64, QWEN)
     ours.weight.data.copy_(ref.weight.data)
     x = torch.randn(200, 64, generator=g)
     _, weights, ids = ref(x)
@@ -83,7 +83,7 @@ def test_plain_gate_matches_deepseek_v3_router():
     ref = DeepseekV3TopkRouter(config)
     ref.weight.data.normal_(0, 0.1, generator=g)
     ref.e_score_correction_bias.normal_(0, 0.05, generator=g)
-    ours = Router(64, DEEPSEEK)
+    ours = MoEGate(64, DEEPSEEK)
     ours.weight.data.copy_(ref.weight.data)
     ours.e_score_correction_bias.data.copy_(ref.e_score_correction_bias)
     x = torch.randn(200, 64, generator=g)
@@ -93,7 +93,7 @@ def test_plain_gate_matches_deepseek_v3_router():
     torch.testing.assert_close(got.topk_weights.gather(1, got.topk_ids.argsort(-1)),
                                weights.gather(1, ids.argsort(-1)))
     # The bias steers the choice but is not in the weights.
-    no_bias = Router(64, DEEPSEEK)
+    no_bias = MoEGate(64, DEEPSEEK)
     no_bias.load_state_dict(ours.state_dict())
     no_bias.e_score_correction_bias.data.zero_()
     assert not torch.equal(no_bias(x).topk_ids.sort(-1).values, got.topk_ids.sort(-1).values)
@@ -170,13 +170,13 @@ def test_pruned_gate_scores_few_experts():
 
 def test_pruned_gate_refuses_softmax_weights_over_all_experts():
     with pytest.raises(AssertionError, match="norm_topk_prob"):
-        Router(16, RoutingConfig(8, 2, "softmax", norm_topk_prob=False), "pruned")
+        MoEGate(16, RoutingConfig(8, 2, "softmax", norm_topk_prob=False), "pruned")
 
 
 def test_plain_gate_is_a_registered_name():
-    assert isinstance(Router(16, QWEN).gate, PlainGate)
+    assert isinstance(MoEGate(16, QWEN).gate, PlainGate)
     with pytest.raises(ValueError, match="unknown gate"):
-        Router(16, QWEN, "no-such-gate")
+        MoEGate(16, QWEN, "no-such-gate")
 
 
 def test_bench_gate_reports_scored_experts_and_agreement(tmp_path):

@@ -65,12 +65,12 @@ def _median_ms(fns: list, repeats: int) -> list[float]:
 def bench_preset(preset: Preset, batch_sizes: list[int], repeats: int, seed: int) -> dict:
     import torch
 
-    from rackserve.model.router import Router, RoutingConfig, choice_scores
+    from rackserve.model.gate import MoEGate, RoutingConfig, choice_scores
 
     cfg = RoutingConfig(preset.num_experts, preset.top_k, preset.scoring, True, preset.num_groups,
                         preset.topk_groups, use_correction_bias=preset.scoring == "sigmoid")
     g = torch.Generator().manual_seed(seed)
-    plain, pruned = Router(preset.hidden_size, cfg, "plain"), Router(preset.hidden_size, cfg, "pruned")
+    plain, pruned = MoEGate(preset.hidden_size, cfg, "plain"), MoEGate(preset.hidden_size, cfg, "pruned")
     plain.weight.data.copy_(torch.randn(cfg.num_experts, preset.hidden_size, generator=g) * 0.02)
     if cfg.use_correction_bias:
         plain.e_score_correction_bias.data.copy_(torch.randn(cfg.num_experts, generator=g) * 0.05)

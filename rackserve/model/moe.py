@@ -15,7 +15,7 @@ tensors load into them by (expert id, "w1" | "w3" | "w2"). How a layer splits ov
 Either way each rank ends with a partial sum of the layer's output (its features' share, or its
 TP share of the tokens), and one all-reduce over `tp` finishes the layer, shared experts included.
 Every layer counts the tokens routed to each global expert for /metrics. This file must never
-choose experts (model/router.py does) nor know any architecture.
+choose experts (model/gate.py does) nor know any architecture.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch import nn
 from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.model.layers import default_weight_loader, silu_and_mul, split_evenly
 from rackserve.model.moe_dispatch import AllToAllDispatcher, DispatchedTokens, ExpertPlacement, LocalDispatcher
-from rackserve.model.router import Routing
+from rackserve.model.gate import Routing
 
 # "model.layers.3.mlp.experts.17.gate_proj.weight": one expert's tensor in a checkpoint.
 _EXPERT_TENSOR = re.compile(r"^(?P<moe>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")

@@ -4,7 +4,7 @@ holding its chosen experts, combine their results back), in two forms: LocalDisp
 expert here: the identity) and AllToAllDispatcher (expert parallelism over a group of ranks).
 
 This file must never compute experts (model/moe.py's backends do) nor choose them
-(model/router.py does), and never assume that the ranks of the expert-parallel group hold the
+(model/gate.py does), and never assume that the ranks of the expert-parallel group hold the
 same tokens: under data parallelism each has its own batch.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from rackserve.distributed.parallel_state import GroupCoordinator
 from rackserve.model.layers import split_evenly
-from rackserve.model.router import Routing
+from rackserve.model.gate import Routing
 
 
 @dataclass(frozen=True)

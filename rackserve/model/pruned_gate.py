@@ -24,11 +24,11 @@ exceed its upper bound, so it cannot be in the top-k whatever its logit; with gr
 dropped when topk_groups others' lower-bound scores exceed its upper-bound score, and the
 survivors' two best experts are scored exactly first to choose the groups as the plain gate does.
 
-Exactness. The final choice uses float32 logits of the survivors (router.sampled_logits), ranked
+Exactness. The final choice uses float32 logits of the survivors (gate.sampled_logits), ranked
 with the plain gate's rules and tie order. Those logits can differ from the plain gate's GEMM in
 the last bits (another summation order), so the two gates can choose differently only where two
 experts' scores agree to that rounding, where either choice is a correct top-k; tests check
-exactly this. Both gates compute the weights of their choice with router.chosen_logits, so equal
+exactly this. Both gates compute the weights of their choice with gate.chosen_logits, so equal
 choices have bitwise equal weights. Softmax routing without norm_topk_prob needs every logit for
 its weights and is refused. This file must never change what is selected: every shortcut must
 keep the plain gate's choice.
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rackserve.model.router import (Gate, Routing, RoutingConfig, choice_scores, chosen_logits, expert_mask_of_groups,
+from rackserve.model.gate import (Gate, Routing, RoutingConfig, choice_scores, chosen_logits, expert_mask_of_groups,
                                     group_scores, register_gate, sampled_logits, topk_lowest_first,
                                     weights_from_logits)
 

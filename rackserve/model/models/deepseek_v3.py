@@ -35,7 +35,7 @@ from rackserve.model.models.llama import DecoderLayer, LlamaMLP
 from rackserve.model.models.moe_decoder import MoECausalLM
 from rackserve.model.moe import FusedMoE
 from rackserve.model.rotary import apply_rope, rope_parameters, yarn_mscale
-from rackserve.model.router import Router, RoutingConfig
+from rackserve.model.gate import MoEGate, RoutingConfig
 
 # transformers builds the latent norms with RMSNorm's default eps, whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
@@ -134,7 +134,7 @@ class DeepseekV3MoE(nn.Module):
                                 bool(config.get("norm_topk_prob", True)), config.get("n_group") or 1,
                                 config.get("topk_group") or 1, float(config.get("routed_scaling_factor", 1.0)),
                                 use_correction_bias=True)
-        self.gate = Router(hidden, routing)
+        self.gate = MoEGate(hidden, routing)
         self.experts = FusedMoE(num_experts, hidden, config["moe_intermediate_size"], groups=groups)
         shared = config.get("n_shared_experts") or 0
         self.shared_experts = (DeepseekV3SharedExperts(hidden, config["moe_intermediate_size"] * shared, groups.tp)

@@ -13,7 +13,7 @@ Checkpoints are read in DeepSeek's own names (what transformers writes: layers.i
 ffn.experts.e.w1, hc_attn_fn, ...), with or without the "model." prefix. FP8/FP4 checkpoints
 (block scales) are refused with a clear error. Under tensor parallelism the attention splits by
 output groups (dsv4_attention.py), the experts as FusedMoE does, the embedding and head by
-vocabulary; mHC and the router are replicated. This file must never touch the KV cache other than
+vocabulary; mHC and the MoE gate are replicated. This file must never touch the KV cache other than
 through its attention layers.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from rackserve.model.layers import (SINGLE, LMHead, MergedLinear, RMSNorm, RowPa
                                     default_weight_loader, split_evenly)
 from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
 from rackserve.model.moe import FusedMoE, TorchMoEBackend
-from rackserve.model.router import Routing, topk_lowest_first
+from rackserve.model.gate import Routing, topk_lowest_first
 
 _EXPERT = re.compile(r"^(?P<moe>layers\.\d+\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)$")
@@ -54,7 +54,7 @@ class ClampedSwiGLUMoEBackend(TorchMoEBackend):
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
-    # mHC and router weights stay float32 whatever the model's dtype, as in transformers.
+    # mHC and MoE gate weights stay float32 whatever the model's dtype, as in transformers.
     p = nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
     p.weight_loader = default_weight_loader
     return p
@@ -99,7 +99,7 @@ def hc_residual(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, co
 
 
 class DeepseekV4Gate(nn.Module):
-    """The router ("ffn.gate"): float32 weight; a correction bias (routed layers) or the frozen
+    """The MoE gate ("ffn.gate"): float32 weight; a correction bias (routed layers) or the frozen
     token-to-expert table (hash layers)."""
 
     def __init__(self, config: dict[str, Any], hashed: bool):

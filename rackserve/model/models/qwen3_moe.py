@@ -18,7 +18,7 @@ from rackserve.model.models.llama import DecoderLayer, LlamaMLP, head_dim_of
 from rackserve.model.models.moe_decoder import MoECausalLM
 from rackserve.model.models.qwen3 import Qwen3Attention
 from rackserve.model.moe import FusedMoE
-from rackserve.model.router import Router, RoutingConfig
+from rackserve.model.gate import MoEGate, RoutingConfig
 
 
 def num_experts_of(config: dict[str, Any]) -> int:
@@ -33,7 +33,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         num_experts = num_experts_of(config)
         routing = RoutingConfig(num_experts, config["num_experts_per_tok"], "softmax",
                                 bool(config.get("norm_topk_prob", False)))
-        self.gate = Router(config["hidden_size"], routing)
+        self.gate = MoEGate(config["hidden_size"], routing)
         self.experts = FusedMoE(num_experts, config["hidden_size"], config["moe_intermediate_size"], groups=groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

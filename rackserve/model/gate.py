@@ -2,9 +2,9 @@
 
 RoutingConfig states a model's rule (softmax top-k for Qwen3-MoE; sigmoid scores, a selection-only
 correction bias, group-limited top-k and a scaling factor for DeepSeek-V3). A gate implements it
-(registry by name: "plain" here, "pruned" in model/pruned_gate.py); the Router module holds the
-checkpoint's gate weight and bias in float32 and calls its gate on float32 inputs, so routing
-does not change with the model's dtype (transformers keeps DeepSeek-V3's gate in float32 too).
+(registry by name: "plain" here, "pruned" in model/pruned_gate.py); the MoEGate module (the
+layer's `gate`) holds the checkpoint's gate weight and bias in float32 and calls its gate on
+float32 inputs, so routing does not change with the model's dtype (transformers keeps DeepSeek-V3's gate in float32 too).
 
 Every gate breaks ties toward the lower expert id (and the lower group id), so that gates which
 see equal scores choose alike. This file must never move tokens or touch expert weights.
@@ -113,7 +113,7 @@ def weights_from_logits(cfg: RoutingConfig, logits: torch.Tensor) -> torch.Tenso
 
 
 class Gate(ABC):
-    """One way to compute a RoutingConfig's choice. `prepare` is called once the router's
+    """One way to compute a RoutingConfig's choice. `prepare` is called once the gate's
     weights are loaded; `select` must give the plain gate's experts."""
 
     def __init__(self, cfg: RoutingConfig):
@@ -165,7 +165,7 @@ class PlainGate(Gate):
         return Routing(ids, weights_from_logits(cfg, chosen_logits(x, weight, ids)))
 
 
-class Router(nn.Module):
+class MoEGate(nn.Module):
     """An MoE layer's gate ("mlp.gate" in checkpoints): float32 weight [num_experts, hidden] and,
     for DeepSeek-V3, e_score_correction_bias [num_experts]."""
 
