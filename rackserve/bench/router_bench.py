@@ -38,7 +38,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--bench-args", default="", help="more `bench serve` flags, as one string")
-    parser.add_argument("--latency-requests", type=int, default=40, help="requests per side, router vs direct")
+    parser.add_argument("--latency-requests", type=int, default=60, help="pairs of requests, router vs direct")
     parser.add_argument("--index-blocks", type=int, default=200_000, help="blocks in the index, overhead part")
     parser.add_argument("--output", default=None, help="write the results JSON here")
     parser.add_argument("--health-interval", type=float, default=1.0)
@@ -141,18 +141,23 @@ def routing_overhead(tokenizer_path: str, block_size: int, index_blocks: int, wo
 
 
 def added_latency(direct: str, router: str, model: str, n: int) -> dict:
-    """Median seconds of one 1-token completion, direct and through the router, interleaved."""
+    """The router's cost per request: pairs of the same kind of 1-token completion, one direct and
+    one through the router, back to back (which goes first alternates, so drift cancels); the
+    median and quartiles of the pairs' differences, and each side's median."""
     times: dict[str, list[float]] = {"direct": [], "router": []}
     with httpx.Client(timeout=60) as http:
         for i in range(n):
-            for side, url in (("direct", direct), ("router", router)):
+            sides = [("direct", direct), ("router", router)]
+            for side, url in sides if i % 2 else sides[::-1]:
                 body = {"model": model, "prompt": f"{side} {i} {random.random()} hello", "max_tokens": 1}
                 start = time.perf_counter()
                 http.post(f"{url}/v1/completions", json=body).raise_for_status()
                 times[side].append(time.perf_counter() - start)
-    direct_s, router_s = statistics.median(times["direct"]), statistics.median(times["router"])
-    return {"requests_per_side": n, "direct_median_s": direct_s, "router_median_s": router_s,
-            "added_median_s": router_s - direct_s}
+    diffs = sorted(r - d for r, d in zip(times["router"], times["direct"]))
+    q1, median, q3 = statistics.quantiles(diffs, n=4)
+    return {"pairs": n, "direct_median_s": statistics.median(times["direct"]),
+            "router_median_s": statistics.median(times["router"]), "added_median_s": median,
+            "added_q1_s": q1, "added_q3_s": q3}
 
 
 @register_subcommand("bench router", "routing policies compared through the router, and the router's cost",
@@ -201,8 +206,9 @@ def _print(result: dict) -> None:
         print(f"{run['policy']:<12} {hit or 0:>9.1%} {s['ttft']['p50'] * 1e3:>7.0f}ms {s['ttft']['p90'] * 1e3:>7.0f}ms "
               f"{s['throughput_per_device']:>10.1f} {s['interactivity_p90']:>15.1f}  {ratio}")
     lat, over = result["latency"], result["overhead"]
-    print(f"router adds {lat['added_median_s'] * 1e3:.1f} ms per request (median {lat['router_median_s'] * 1e3:.1f} "
-          f"vs {lat['direct_median_s'] * 1e3:.1f} ms direct, {lat['requests_per_side']} each)")
+    print(f"router adds {lat['added_median_s'] * 1e3:.1f} ms per request (median of {lat['pairs']} pairs; quartiles "
+          f"{lat['added_q1_s'] * 1e3:.1f}..{lat['added_q3_s'] * 1e3:.1f} ms; medians {lat['router_median_s'] * 1e3:.1f} "
+          f"through the router, {lat['direct_median_s'] * 1e3:.1f} direct)")
     print(f"routing path: {over['decisions_per_s']:.0f} decisions/s with tokenizing, "
           f"{over['decisions_per_s_without_tokenize']:.0f} without ({over['prompt_tokens']}-token prompts, "
           f"{over['index_blocks']} blocks over {over['workers']} workers)")
