@@ -174,10 +174,18 @@ def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
 
 
 def test_a_dead_instance_is_routed_around(cluster):
-    dead_proc, dead_url = cluster.instances[1]
+    c = client(cluster.url)
+    # A stream that already started ends with an error event when its instance dies.
+    stream = c.completions.create(model=MODEL, prompt="a long story", max_tokens=900, stream=True, **GREEDY)
+    next(iter(stream))
+    state = httpx.get(f"{cluster.url}/router").json()
+    [busy] = [i["url"] for i in state["instances"] if i["workers"][0]["active_requests"]]
+    dead_proc = next(p for p, u in cluster.instances if u == busy)
     dead_proc.kill()
     dead_proc.wait()
-    c = client(cluster.url)
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for _ in stream:
+            pass
     # No request is lost: one sent before the health check notices is retried on the live one.
     for i in range(4):
         out = c.completions.create(model=MODEL, prompt=f"{i} after the crash", max_tokens=4, **GREEDY)
@@ -185,4 +193,4 @@ def test_a_dead_instance_is_routed_around(cluster):
         chunks = list(c.completions.create(model=MODEL, prompt=f"{i} streamed", max_tokens=4, stream=True, **GREEDY))
         assert sum(1 for ch in chunks if ch.choices and ch.choices[0].text) >= 1
     state = httpx.get(f"{cluster.url}/router").json()
-    assert [i["healthy"] for i in state["instances"] if i["url"] == dead_url] == [False]
+    assert [i["healthy"] for i in state["instances"] if i["url"] == busy] == [False]
