@@ -6,6 +6,7 @@ without losing a request. (The last test kills an instance: it runs last.)"""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ def start_router(workers: list[str], log_path: Path, *flags: str) -> tuple[subpr
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "router", "--port", str(port),
-                                 "--health-interval", "0.3", *flags, *[a for w in workers for a in ("--worker", w)]],
+                                 "--health-interval", "0.3", "--health-timeout", "1", *flags, *[a for w in workers for a in ("--worker", w)]],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -90,6 +91,11 @@ def routed(url: str) -> dict[str, float]:
             instance = line.split('instance="')[1].split('"')[0]
             counts[instance] = counts.get(instance, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def metric(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -171,6 +177,36 @@ def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_an_instance_that_stops_answering_leaves_and_rejoins(cluster):
+    """SIGSTOP: connections hang rather than fail. The request waiting on it is retried on the
+    other instance once the health check gives up; after SIGCONT the instance rejoins."""
+    prompt = "Frozen: " + "the scheduler allocates blocks as sequences grow " * 8
+    before = routed(cluster.url)
+    client(cluster.url).completions.create(model=MODEL, prompt=prompt, max_tokens=1, **GREEDY)
+    [stopped] = delta(before, routed(cluster.url))   # its prefix lives there: kv sends the next turn there
+    stopped_proc = next(p for p, u in cluster.instances if u == stopped)
+    time.sleep(0.3)
+    retries = metric(cluster.url, "rackserve_router:retries_total")
+    stopped_proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        out = client(cluster.url).with_options(timeout=30).completions.create(
+            model=MODEL, prompt=prompt + " again", max_tokens=4, **GREEDY)
+        assert out.usage.completion_tokens == 4 and time.monotonic() - start < 20
+        state = httpx.get(f"{cluster.url}/router").json()
+        assert [i["healthy"] for i in state["instances"] if i["url"] == stopped] == [False]
+        assert metric(cluster.url, "rackserve_router:retries_total") == retries + 1
+    finally:
+        stopped_proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{cluster.url}/router").json()
+        if all(i["healthy"] for i in state["instances"]):
+            break
+        time.sleep(0.2)
+    assert all(i["healthy"] for i in state["instances"]), state
 
 
 def test_a_dead_instance_is_routed_around(cluster):

@@ -24,13 +24,19 @@ def add_router_policy_args(parser: argparse.ArgumentParser, flag: str = "--polic
                         help="kv policy: 0 takes the lowest cost; > 0 samples, softmax over -cost/T")
 
 
+def add_health_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    parser.add_argument("--health-timeout", type=float, default=5.0,
+                        help="seconds an instance may take to answer /health before it leaves the pool")
+
+
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", default=[], required=True, metavar="URL",
                         help="an instance's base URL (rackserve serve), repeatable")
     add_router_policy_args(parser)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer path (default: the one the first instance reports at /kv_events)")
-    parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    add_health_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -52,7 +58,8 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     from rackserve.router.router import Router
     from rackserve.router.server import RouterFront, build_router_app
 
-    router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval)
+    router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
+                    args.health_timeout)
     front = RouterFront(router, args.tokenizer)
     try:
         await front.start()

@@ -21,7 +21,7 @@ import time
 import httpx
 
 from rackserve.config import EngineArgs
-from rackserve.router.cli import add_router_policy_args, serve_router
+from rackserve.router.cli import add_health_args, add_router_policy_args, serve_router
 from rackserve.serve.cli import register_subcommand
 
 STARTUP_TIMEOUT_S = 600.0
@@ -33,7 +33,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     add_router_policy_args(parser, "--router-policy")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads to split evenly among the instances")
-    parser.add_argument("--health-interval", type=float, default=1.0)
+    add_health_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=int, default=8000, help="the router's port (instances take free ones)")
     parser.add_argument("--uvicorn-log-level", default="warning",

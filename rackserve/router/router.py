@@ -34,6 +34,9 @@ class Instance:
     info: dict = field(default_factory=dict)          # its GET /kv_events
     healthy: bool = False
     subscribers: list[KVEventSubscriber] = field(default_factory=list)
+    # Set when it leaves the pool: requests waiting on it stop waiting (retried, or their stream
+    # ends with an error) instead of hanging on an instance that stopped answering.
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -85,6 +88,7 @@ class Router:
             return
         logger.warning("router: %s leaves the pool: %s", instance.url, reason)
         instance.healthy = False
+        instance.gone.set()
         subscribers, instance.subscribers = instance.subscribers, []
         for worker in instance.workers:
             if worker in self.index.blocks:
@@ -120,6 +124,7 @@ class Router:
                     worker, connectable(endpoint, host), connectable(replay, host) if replay else None,
                     info["topic"] or "", self.index, self._counter(instance.url)))
         instance.healthy = True
+        instance.gone = asyncio.Event()
         logger.info("router: %s joins the pool (%d DP ranks)", instance.url, len(instance.workers))
         self._gauge()
 

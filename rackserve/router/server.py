@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -79,9 +79,10 @@ class RouterFront:
             self.router.loads.add(request_id, worker, max(num_blocks, 1), num_blocks - decision.overlap_blocks)
             self.router.metrics.routed(worker.url, worker.dp_rank, len(token_ids),
                                        decision.overlap_blocks * (self.router.block_size or 0))
+            instance = self.router.instances[worker.url]
             try:
-                response = await self._send(worker.url, path, {**body, "data_parallel_rank": worker.dp_rank},
-                                            request_id)
+                response = await _unless_gone(instance, self._send(
+                    instance, path, {**body, "data_parallel_rank": worker.dp_rank}, request_id))
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 self.router.loads.finish(request_id)
                 await self.router.leave(self.router.instances[worker.url], f"request failed: {e!r}")
@@ -92,9 +93,9 @@ class RouterFront:
                 continue
             return response
 
-    async def _send(self, url: str, path: str, body: dict, request_id: str) -> Response:
+    async def _send(self, instance: Instance, path: str, body: dict, request_id: str) -> Response:
         """The instance's answer; raises on a connection that fails before the first token."""
-        session = self.router.session
+        session, url = self.router.session, instance.url
         resp = await session.post(f"{url}{path}", json=body, timeout=self.timeout)
         try:
             if resp.status != 200 or not body.get("stream"):
@@ -108,14 +109,15 @@ class RouterFront:
             resp.release()
             raise
         self.router.loads.first_token(request_id)
-        return StreamingResponse(self._stream(url, resp, first, request_id), media_type="text/event-stream")
+        return StreamingResponse(self._stream(instance, resp, first, request_id), media_type="text/event-stream")
 
-    async def _stream(self, url: str, resp: aiohttp.ClientResponse, first: bytes,
+    async def _stream(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
                       request_id: str) -> AsyncIterator[bytes]:
+        url = instance.url
         try:
             yield first
             while True:
-                event = await _read_event(resp)
+                event = await _unless_gone(instance, _read_event(resp))
                 if not event:
                     break
                 if b'"usage"' in event:
@@ -135,6 +137,21 @@ class RouterFront:
             return
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.router.metrics.actual_cached.labels(url).inc(cached)
+
+
+async def _unless_gone(instance: Instance, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or ConnectionError (work cancelled) once the instance leaves the pool."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(instance.gone.wait())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})   # let it unwind (release its connection)
+    if task.cancelled():
+        raise ConnectionError(f"{instance.url} left the pool")
+    return task.result()
 
 
 async def _read_event(resp: aiohttp.ClientResponse) -> bytes:
