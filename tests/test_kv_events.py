@@ -230,3 +230,32 @@ def test_kv_events_config_refuses_unknown_keys():
     with pytest.raises(ValueError, match="keys among"):
         KVEventsConfig.from_json('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}')
     assert KVEventsConfig.from_json('{"enable_kv_cache_events": true}').endpoint == "tcp://*:5557"
+
+
+def test_dp_rank_k_publishes_on_port_plus_k():
+    base = free_port()
+    while True:   # two consecutive free ports
+        try:
+            cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{base}", topic="kv")
+            publisher = KVEventPublisher(cfg, data_parallel_size=2)
+            break
+        except ValueError:
+            base = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{base + 1}")
+    try:
+        from rackserve.core.stats import DPRankStats, SchedulerStats
+        assert [p.endpoint for p in publisher.publishers] == [f"tcp://*:{base}", f"tcp://*:{base + 1}"]
+        time.sleep(0.3)
+        stats = SchedulerStats(dp_ranks=[DPRankStats(), DPRankStats(kv_events=[AllBlocksCleared()])])
+        publisher.record(stats, IterationStats())
+        assert sub.poll(5000)
+        _, seq, payload = sub.recv_multipart()
+        batch = vllm_decoder.decode(payload)
+        assert int.from_bytes(seq, "big") == 0 and batch.data_parallel_rank == 1
+        assert isinstance(batch.events[0], VAllBlocksCleared)
+    finally:
+        sub.close()
+        publisher.shutdown()
