@@ -16,7 +16,7 @@ from rackserve.core.block_pool import BlockPool
 from rackserve.core.hashing import block_hashes
 from rackserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from rackserve.core.outputs import ModelRunnerOutput
-from rackserve.core.request import Request, RequestStatus
+from rackserve.core.request import Request
 from rackserve.distributed.parallel_state import free_port
 from rackserve.engine.core import EngineCore
 from rackserve.engine.kv_event_publisher import KVEventPublisher
