@@ -89,3 +89,19 @@ def test_the_engine_core_honours_a_pinned_dp_rank():
         assert core.add_requests([Request(f"r{i}", [1, 2, 3], SamplingParams())], dp_rank=1) == 1
     assert [len(s.waiting) for s in core.schedulers] == [0, 3]
     assert core.add_requests([Request("free", [1, 2, 3], SamplingParams())]) == 0   # placement: least load
+
+
+def test_the_router_hashes_a_cache_salt_as_the_instances_do():
+    from rackserve.core.hashing import block_hashes
+    from rackserve.router.router import Router
+    router = Router(["http://a", "http://b"], create_policy("kv", seed=0))
+    router.block_size = 4
+    for instance in router.instances.values():
+        instance.healthy, instance.info = True, {"data_parallel_size": 1}
+    tokens = list(range(16))
+    a, b = WorkerKey("http://a", 0), WorkerKey("http://b", 0)
+    router.index.apply(a, BlockStored(block_hashes(tokens, 4, salt="tenant"), None, tokens, 4))
+    router.index.apply(b, BlockStored(block_hashes(tokens, 4), None, tokens, 4))
+    assert router.route(tokens, cache_salt="tenant") == (a, 4)
+    assert router.route(tokens) == (b, 4)
+    assert router.route(tokens, exclude={"http://a", "http://b"}) is None

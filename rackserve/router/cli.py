@@ -28,6 +28,8 @@ def add_health_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=float, default=5.0,
                         help="seconds an instance may take to answer /health before it leaves the pool")
+    parser.add_argument("--worker-api-key", default=None,
+                        help="the instances' --api-key, sent on every call the router makes to them")
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +61,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     from rackserve.router.server import RouterFront, build_router_app
 
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
-                    args.health_timeout)
+                    args.health_timeout, args.worker_api_key)
     front = RouterFront(router, args.tokenizer)
     try:
         await front.start()

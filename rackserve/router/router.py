@@ -45,7 +45,7 @@ class Instance:
 
 class Router:
     def __init__(self, urls: list[str], policy: RoutingPolicy, health_interval_s: float = 1.0,
-                 health_timeout_s: float = 5.0) -> None:
+                 health_timeout_s: float = 5.0, worker_api_key: str | None = None) -> None:
         assert urls, "a router needs at least one instance"
         self.instances = {url.rstrip("/"): Instance(url.rstrip("/")) for url in urls}
         self.policy = policy
@@ -55,10 +55,12 @@ class Router:
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.block_size: int | None = None
         self.session: aiohttp.ClientSession | None = None
+        # Instances started with --api-key: every call to them (discovery, requests) carries it.
+        self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession()
+        self.session = aiohttp.ClientSession(headers=self.headers)
         await asyncio.gather(*(self._join(i) for i in self.instances.values()))
         self._health_task = asyncio.ensure_future(self._health_loop())
 
@@ -75,12 +77,14 @@ class Router:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy]
 
-    def route(self, token_ids: list[int], exclude: set[str] = frozenset()) -> Decision | None:
-        """The policy's pick among healthy workers of instances not in `exclude`; None if none."""
+    def route(self, token_ids: list[int], exclude: set[str] = frozenset(),
+              cache_salt: str | None = None) -> Decision | None:
+        """The policy's pick among healthy workers of instances not in `exclude`; None if none.
+        A request's cache salt enters its first block's hash, as on the instances."""
         workers = [w for i in self.healthy if i.url not in exclude for w in i.workers]
         if not workers:
             return None
-        hashes = block_hashes(token_ids, self.block_size) if self.block_size else []
+        hashes = block_hashes(token_ids, self.block_size, salt=cache_salt) if self.block_size else []
         return self.policy.choose(hashes, workers, self.index, self.loads)
 
     async def leave(self, instance: Instance, reason: str) -> None:

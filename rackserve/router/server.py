@@ -67,8 +67,9 @@ class RouterFront:
         num_blocks = len(token_ids) // self.router.block_size if self.router.block_size else 0
         tried: set[str] = set()
         last_error: Response | None = None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         while True:
-            decision = self.router.route(token_ids, tried)
+            decision = self.router.route(token_ids, tried, salt)
             if decision is None:
                 return last_error or _error(OpenAIError("no instance is available", 503, type="server_error"))
             if tried:
