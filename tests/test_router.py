@@ -145,6 +145,12 @@ def test_router_answers_like_the_instance_streaming_or_not(cluster):
                                          stream_options={"include_usage": True}, **GREEDY))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
     assert chunks[-1].usage.completion_tokens == 12
+    messages = [{"role": "user", "content": prompt}]
+    want = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
+    got = via.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, **GREEDY)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    chunks = list(via.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, stream=True, **GREEDY))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         via.completions.create(model=MODEL, prompt=prompt, max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
