@@ -1,6 +1,6 @@
 """`rackserve cluster`: two instances and the router behind one URL, answering the openai
 client; an instance that dies stops the whole cluster (exit 1, no child left behind), and
-SIGINT stops it cleanly (exit 0)."""
+SIGINT stops it cleanly (exit 0, no child left behind)."""
 from __future__ import annotations
 
 import os
@@ -47,9 +47,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is gone for our purpose (reaped by its parent's exit).
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+    try:   # a zombie is gone for our purpose (reaped by its parent's exit)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tmp_path):
@@ -67,6 +69,20 @@ def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tmp_path):
         assert proc.wait(timeout=60) == 1
         assert not alive(pids[1])
         assert "instance 0 exited" in (tmp_path / "cluster.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigint_stops_the_cluster_and_every_instance(tmp_path):
+    model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", vocab_size=512, max_position_embeddings=512)
+    save_test_tokenizer(str(tmp_path / "tok"), 512)
+    proc, url = start_cluster(model, str(tmp_path / "tok"), tmp_path / "cluster.log")
+    try:
+        pids = [int(p) for p in re.findall(r"\(pid (\d+),", (tmp_path / "cluster.log").read_text())]
+        proc.send_signal(signal.SIGINT)   # Ctrl-C reaches the cluster alone here (no terminal)
+        assert proc.wait(timeout=60) == 0
+        assert not any(alive(pid) for pid in pids)
     finally:
         if proc.poll() is None:
             proc.kill()
