@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from rackserve.core.block_pool import BlockPool, KVBlock
 from rackserve.core.hashing import extend_block_hashes
+from rackserve.core.kv_events import KVCacheEvent
 from rackserve.core.request import Request
 
 
@@ -105,7 +106,7 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
-    def take_events(self):
+    def take_events(self) -> list[KVCacheEvent]:
         """KV events (core/kv_events.py) since the last call; always empty unless enabled."""
         return self.pool.take_events()
 

@@ -3,10 +3,10 @@ sends each request to the worker (instance, DP rank) its policy picks.
 
 For each request it renders the chat template and tokenizes with the instances' tokenizer,
 hashes the blocks (router.py) and forwards the body unchanged but for `data_parallel_rank`, the
-pinned DP rank. A request that got no token yet (the instance is unreachable or answers 5xx) is
-retried on the next best instance; a stream that already started ends with an OpenAI error event
-and [DONE]; instance errors (4xx) pass through as they are; with no instance left the client
-gets a 503. This file never picks a worker itself and never touches the index.
+pinned DP rank. A request that got no token yet (the instance is unreachable, answers 5xx or
+429, or leaves the pool) is retried on the next best instance; a stream that already started
+ends with an OpenAI error event and [DONE]; other instance errors (4xx) pass through as they
+are; with no instance left the client gets a 503. This file never picks a worker itself and never touches the index.
 """
 from __future__ import annotations
 
@@ -86,9 +86,9 @@ class RouterFront:
                     instance, path, {**body, "data_parallel_rank": worker.dp_rank}, request_id))
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 self.router.loads.finish(request_id)
-                await self.router.leave(self.router.instances[worker.url], f"request failed: {e!r}")
+                await self.router.leave(instance, f"request failed: {e!r}")
                 continue
-            if response.status_code >= 500:
+            if response.status_code >= 500 or response.status_code == 429:   # no token yet: try elsewhere
                 self.router.loads.finish(request_id)
                 last_error = response
                 continue
