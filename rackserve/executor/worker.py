@@ -130,8 +130,12 @@ def config_mismatch(mine: EngineConfig, rank0: EngineConfig) -> str | None:
         # KV events are published by node 0's engine alone: other nodes need not agree on them.
         return dataclasses.asdict(dataclasses.replace(c, model=model, parallel=parallel, kv_events=KVEventsConfig()))
     a, b = comparable(mine), comparable(rank0)
+    # An optional section (kv_transfer) may be None on both nodes: compare it whole.
     diff = [f"{section}.{key}: {b[section][key]!r} on node 0, {a[section][key]!r} here"
-            for section in a for key in a[section] if a[section][key] != b[section][key]]
+            for section in a if isinstance(a[section], dict) and isinstance(b[section], dict)
+            for key in a[section] if a[section][key] != b[section][key]]
+    diff += [f"{section}: {b[section]!r} on node 0, {a[section]!r} here" for section in a
+             if not (isinstance(a[section], dict) and isinstance(b[section], dict)) and a[section] != b[section]]
     return "this node was started with other engine flags than node 0: " + "; ".join(diff) if diff else None
 
 
