@@ -1,4 +1,5 @@
-"""Start `rackserve serve` as a child process on a free port and wait until it answers /health."""
+"""Start `rackserve serve` (or router, cluster, proxy) as a child process on a free port and wait
+until it answers /health."""
 from __future__ import annotations
 
 import subprocess
@@ -12,13 +13,13 @@ import pytest
 from rackserve.distributed.parallel_state import free_port
 
 
-def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """(process, base URL) of a server started with these `serve` flags, its output in log_path;
-    the test fails with that log if the server exits or does not come up within `timeout` s."""
+def start_command(args: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """(process, base URL) of `rackserve ARGS --port P` (any command that serves /health: serve,
+    router, cluster, proxy) on a free port P, its output in log_path; the test fails with that log
+    if it exits or does not come up within `timeout` s."""
     port = free_port()
     with open(log_path, "w") as log:      # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "rackserve", "serve", *flags,
-                                 "--port", str(port), "--uvicorn-log-level", "warning"],
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve", *args, "--port", str(port)],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -30,8 +31,13 @@ def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tupl
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"server did not come up:\n{Path(log_path).read_text()}")
+            pytest.fail(f"`rackserve {args[0]}` did not come up:\n{Path(log_path).read_text()}")
         time.sleep(0.2)
+
+
+def start_server(flags: list[str], log_path: Path, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`rackserve serve` with these flags (see start_command)."""
+    return start_command(["serve", *flags, "--uvicorn-log-level", "warning"], log_path, timeout)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:

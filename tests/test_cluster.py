@@ -7,39 +7,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
-import pytest
 
-from rackserve.distributed.parallel_state import free_port
+from tests.server_utils import start_command
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
 
 def start_cluster(model: str, tokenizer: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "cluster", "--instances", "2",
-                                 "--model", model, "--tokenizer", tokenizer, "--served-model-name", "tiny",
-                                 "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "64",
-                                 "--threads", "2", "--port", str(port), "--health-interval", "0.3"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"cluster did not come up:\n{log.read_text()}")
-        time.sleep(0.2)
+    return start_command(["cluster", "--instances", "2", "--model", model, "--tokenizer", tokenizer,
+                          "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "512",
+                          "--num-gpu-blocks-override", "64", "--threads", "2", "--health-interval", "0.3"], log)
 
 
 def alive(pid: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import start_server
+from tests.server_utils import start_command, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -35,23 +33,8 @@ def _kv_config(role: str, **extra) -> str:
 
 
 def _start_proxy(prefill: str, decode: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "proxy", "--prefill", prefill,
-                                 "--decode", decode, "--port", str(port), "--uvicorn-log-level", "warning"],
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"proxy did not come up:\n{log_path.read_text()}")
-        time.sleep(0.2)
+    return start_command(["proxy", "--prefill", prefill, "--decode", decode, "--uvicorn-log-level", "warning"],
+                         log_path, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ import openai
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import start_server
+from tests.server_utils import start_command, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -35,23 +34,8 @@ class Cluster(NamedTuple):
 
 
 def start_router(workers: list[str], log_path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", "router", "--port", str(port),
-                                 "--health-interval", "0.3", "--health-timeout", "1", *flags, *[a for w in workers for a in ("--worker", w)]],
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"router did not come up:\n{Path(log_path).read_text()}")
-        time.sleep(0.2)
+    return start_command(["router", "--health-interval", "0.3", "--health-timeout", "1", *flags,
+                          *[a for w in workers for a in ("--worker", w)]], log_path, timeout=60)
 
 
 @pytest.fixture(scope="module")
