@@ -84,14 +84,19 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, aiohttp.ClientError) as e:
         print(f"rackserve bench serve: {e}", file=sys.stderr)
         return 1
-    if args.output:
-        with open(args.output, "w") as f:
+    return write_result(result, args.output, args.plot)
+
+
+def write_result(result: dict, output: str | None, plot: str | None) -> int:
+    """Write a run's JSON and plot where asked; the exit code: 0 if every level is valid, else 3."""
+    if output:
+        with open(output, "w") as f:
             json.dump(_finite(result), f, indent=1)
-        print(f"wrote {args.output}")
-    if args.plot:
+        print(f"wrote {output}")
+    if plot:
         from rackserve.bench.plot import plot_results
-        plot_results([result], args.plot)
-        print(f"wrote {args.plot}")
+        plot_results([result], plot)
+        print(f"wrote {plot}")
     return 0 if all(r["summary"]["valid"] for r in result["runs"]) else 3
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
@@ -68,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 @register_subcommand("sim", "simulate bench serve on a hardware cost model, in virtual time", add_args)
 def run(args: argparse.Namespace) -> int:
-    from rackserve.bench.serve_bench import _finite, summary_table
+    from rackserve.bench.serve_bench import summary_table, write_result
     from rich.console import Console
     console = Console()
     try:
@@ -84,18 +83,10 @@ def run(args: argparse.Namespace) -> int:
         sim = run_["sim"]
         console.print(f"  simulated {sim['virtual_seconds']:.1f} s in {sim['wall_seconds']:.1f} s of wall time "
                       f"({sim['speedup']:.0f}x); {sim['steps']} steps, DP idle {sim['dp_idle_share']:.1%}")
-    if args.output:
-        if args.summary_only:
-            for run_ in result["runs"]:
-                run_.pop("requests")
-        with open(args.output, "w") as f:
-            json.dump(_finite(result), f, indent=1)
-        print(f"wrote {args.output}")
-    if args.plot:
-        from rackserve.bench.plot import plot_results
-        plot_results([result], args.plot)
-        print(f"wrote {args.plot}")
-    return 0 if all(r["summary"]["valid"] for r in result["runs"]) else 3
+    if args.output and args.summary_only:
+        for run_ in result["runs"]:
+            run_.pop("requests")
+    return write_result(result, args.output, args.plot)
 
 
 def _summary(d: dict):
