@@ -177,3 +177,30 @@ def test_block_hashes_do_not_follow_the_sampling_seed():
         run_step(sched)
         hashes.append(list(req.block_hashes))
     assert hashes[0] == hashes[1] and len(hashes[0]) == 3
+
+
+def test_a_request_that_cannot_be_looked_up_fails_alone():
+    """A token id past 32 bits (a bug upstream of the scheduler) breaks hashing its first block:
+    that request ends with an error, is released, and the others run as if it had not been there."""
+    sched = make_scheduler()
+    add(sched, "before", 6)
+    bad = Request("bad", [1, 2**40, 3, 4, 5, 6], SamplingParams(max_tokens=4))
+    sched.add_request(bad)
+    add(sched, "after", 9, start=100)
+    so, outs = run_step(sched)
+    assert set(so.num_scheduled_tokens) == {"before", "after"}
+    [failed] = [o for o in outs if o.req_id == "bad"]
+    assert failed.finish_reason == "error" and "scheduling failed: OverflowError" in failed.stop_reason
+    assert "bad" not in sched.requests
+    expected = run_to_completion(make_scheduler_with(("before", 6, 0), ("after", 9, 100)))
+    got = {o.req_id: list(o.new_token_ids) for o in outs if o.req_id != "bad"}
+    for req_id, tokens in run_to_completion(sched).items():
+        got.setdefault(req_id, []).extend(tokens)
+    assert got == expected
+
+
+def make_scheduler_with(*requests: tuple[str, int, int]) -> Scheduler:
+    sched = make_scheduler()
+    for req_id, prompt_len, start in requests:
+        add(sched, req_id, prompt_len, start=start)
+    return sched

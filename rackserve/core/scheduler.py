@@ -52,6 +52,7 @@ class Scheduler:
         self._in_workers: set[str] = set()        # requests whose state the workers hold
         self._drop_from_workers: set[str] = set()  # to tell the workers in the next step
         self._stats = SchedulerStats()
+        self._failed: list[EngineCoreOutput] = []   # requests ended with an error, to report
         self.connector = create_kv_connector_scheduler(config)
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
@@ -142,9 +143,13 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             landed = self.remote is not None and request.request_id in self.remote.landed
-            hit = NO_HIT if landed else self.kv.get_computed_blocks(request)
-            num_external = 0 if landed or not self.connector else \
-                self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+            try:
+                hit = NO_HIT if landed else self.kv.get_computed_blocks(request)
+                num_external = 0 if landed or not self.connector else \
+                    self.connector.get_num_new_matched_tokens(request, hit.num_tokens)
+            except Exception as e:  # noqa: BLE001 - its tokens or salt cannot be looked up: it alone fails
+                self._fail(request.request_id, f"scheduling failed: {type(e).__name__}: {e}")
+                continue
             if num_external:   # its KV arrives through the connector: it waits for it aside
                 if not self.remote.start_load(request, hit, num_external):
                     break
@@ -189,11 +194,12 @@ class Scheduler:
         outputs = []
         if self.remote is not None and runner_output.kv_connector_output is not None:
             outputs = self._update_from_transfers(runner_output.kv_connector_output)
+        outputs += self._failed
+        self._failed = []
         for req_id, reason in runner_output.failed.items():
-            request = self.requests.get(req_id)
-            if request is not None and not request.finished:
-                self.finish_requests([req_id], RequestStatus.FINISHED_ERROR, reason)
-                outputs.append(EngineCoreOutput(req_id, [], None, "error", reason, request.num_cached_tokens))
+            self._fail(req_id, reason)
+        outputs += self._failed
+        self._failed = []
         for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                                 runner_output.logprobs):
             request = self.requests.get(req_id)
@@ -236,6 +242,14 @@ class Scheduler:
         self._in_workers.add(request.request_id)
         return NewRequestData(request.request_id, request.prompt_token_ids, list(request.output_token_ids),
                               request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens)
+
+    def _fail(self, req_id: str, reason: str) -> None:
+        """End one request with an error of its own (the batch and the engine go on); its output
+        is reported by the next update_from_output."""
+        request = self.requests.get(req_id)
+        if request is not None and not request.finished:
+            self.finish_requests([req_id], RequestStatus.FINISHED_ERROR, reason)
+            self._failed.append(EngineCoreOutput(req_id, [], None, "error", reason, max(request.num_cached_tokens, 0)))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
