@@ -88,6 +88,11 @@ class AsyncEngine:
         """Thread-safe; unknown or finished ids are ignored."""
         self._send("abort", request_id)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine died, if a step raised (None after a plain shutdown)."""
+        return self._error
+
     def check_health(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._error!r}")

@@ -333,4 +333,6 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
                 logger.error("%s; stopping the server", e)
                 died, server.should_exit = e, True
     await task
+    if died is None and engine.failure is not None:   # it died while draining: still a failure
+        died = EngineDeadError(f"the engine failed: {engine.failure!r}")
     return died
