@@ -260,6 +260,8 @@ def test_flood_with_cancellations_leaves_nothing_behind(server):
     assert metric(url, "request_success_total") - sent_before == samples_sent, by_reason
     assert not any('"error"' in k and v > 0 for k, v in by_reason.items()), by_reason
     assert sum(v for k, v in by_reason.items() if '"abort"' in k) > 0, by_reason   # some left mid-generation
+    print(f"flood: {total} requests, {samples_sent} samples, {sum(r['cancelled'] for r in results)} left "
+          f"mid-stream; finished by reason: {by_reason}")
     assert httpx.get(f"{url}/health").status_code == 200
 
 
