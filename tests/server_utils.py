@@ -47,3 +47,21 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
         assert proc.wait(timeout=timeout) == 0
     finally:
         proc.kill()
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics samples: name with its labels -> value."""
+    samples: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """A server's /metrics by sample name, summed over label sets."""
+    totals: dict[str, float] = {}
+    for name, value in scrape_metrics(url).items():
+        totals[name.split("{")[0]] = totals.get(name.split("{")[0], 0.0) + value
+    return totals

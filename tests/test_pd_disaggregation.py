@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import start_command, start_server
+from tests.server_utils import metric_totals, start_command, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -68,19 +68,10 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
-def _metrics(url: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            values[name] = values.get(name, 0.0) + value
-    return values
-
-
 def _wait_kv_free(url: str, timeout: float) -> float:
     """Seconds until the instance holds no KV block."""
     start = time.monotonic()
-    while _metrics(url)["rackserve:kv_cache_usage_perc"] > 0:
+    while metric_totals(url)["rackserve:kv_cache_usage_perc"] > 0:
         assert time.monotonic() - start < timeout, "KV blocks were never freed"
         time.sleep(0.05)
     return time.monotonic() - start
@@ -112,7 +103,7 @@ def test_streamed_chat_through_the_proxy_matches_one_instance(cluster):
     assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
     # The decoder loaded all but the last prompt token through the connector.
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want.usage.prompt_tokens - 1
-    decoder = _metrics(cluster["decode"])
+    decoder = metric_totals(cluster["decode"])
     assert decoder["rackserve:external_prefix_cache_hits_total"] > 0
     assert decoder["rackserve:external_prefix_cache_queries_total"] >= decoder["rackserve:external_prefix_cache_hits_total"]
     assert decoder["rackserve:kv_transfer_blocks_total"] > 0 and decoder["rackserve:kv_transfer_bytes_total"] > 0
@@ -127,7 +118,7 @@ def test_a_decoder_that_never_comes_frees_the_blocks_at_lease_end(cluster):
         "kv_transfer_params": {"do_remote_decode": True}}).json()
     params = reply["kv_transfer_params"]
     assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 8
-    assert _metrics(cluster["prefill"])["rackserve:kv_cache_usage_perc"] > 0
+    assert metric_totals(cluster["prefill"])["rackserve:kv_cache_usage_perc"] > 0
     assert _wait_kv_free(cluster["prefill"], LEASE_S + 5) > LEASE_S / 2
     # A decoder that comes too late recomputes: the request completes with the right tokens.
     want = _client(cluster["prefill"]).completions.create(model=MODEL, prompt=list(range(30, 60)), max_tokens=5,

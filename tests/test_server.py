@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import start_server
+from tests.server_utils import metric_totals, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -49,16 +49,6 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def metrics(server: Server) -> dict[str, float]:
-    """Unlabelled view of /metrics: sample name -> value (summed over label sets)."""
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            values[name] = values.get(name, 0.0) + value
-    return values
 
 
 def test_models_health_version(server, client):
@@ -278,7 +268,7 @@ def test_openai_client_raises_with_the_servers_message(client):
 def _wait_until_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
-        m = metrics(server)
+        m = metric_totals(server.url)
         if m["rackserve:num_requests_running"] == 0 and m["rackserve:kv_cache_usage_perc"] == 0:
             return m
         assert time.monotonic() < deadline, f"the engine did not go idle: {m}"
@@ -295,7 +285,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
             lines = resp.iter_lines()
             for _ in range(3):
                 assert next(line for line in lines if line).startswith("data: ")
-            busy = metrics(server)
+            busy = metric_totals(server.url)
             assert busy["rackserve:num_requests_running"] == 1 and busy["rackserve:kv_cache_usage_perc"] > 0
     else:
         with pytest.raises(httpx.ReadTimeout):

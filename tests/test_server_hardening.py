@@ -20,7 +20,7 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from tests.server_utils import start_server
+from tests.server_utils import metric_totals, scrape_metrics, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -60,19 +60,9 @@ def server(tmp_path_factory):
     _stop(s)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Sample name (with its labels) -> value."""
-    values: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def metric(url: str, name: str) -> float:
-    """The sum of a metric over its label sets."""
-    return sum(v for k, v in metrics(url).items() if k.split("{")[0] == f"rackserve:{name}")
+    """A rackserve metric, summed over its label sets."""
+    return metric_totals(url).get(f"rackserve:{name}", 0.0)
 
 
 def wait_idle(url: str, timeout: float = 60) -> None:
@@ -256,7 +246,7 @@ def test_flood_with_cancellations_leaves_nothing_behind(server):
     assert sum(r["cancelled"] for r in results) > total // 10
     wait_idle(url)
     samples_sent = sum(r["n"] for r in results)
-    by_reason = {k: v for k, v in metrics(url).items() if k.startswith("rackserve:request_success_total")}
+    by_reason = {k: v for k, v in scrape_metrics(url).items() if k.startswith("rackserve:request_success_total")}
     assert metric(url, "request_success_total") - sent_before == samples_sent, by_reason
     assert not any('"error"' in k and v > 0 for k, v in by_reason.items()), by_reason
     assert sum(v for k, v in by_reason.items() if '"abort"' in k) > 0, by_reason   # some left mid-generation
