@@ -106,10 +106,9 @@ def sample_isolating_failures(sampler: Sampler, logits: torch.Tensor,
     good = [i for i in range(len(rows)) if i not in failed]
     token_ids: list[int] = [-1] * len(rows)
     logprobs: list[LogprobsLists | None] = [None] * len(rows)
-    groups = [good] if good else []
-    try:
-        attempt = [(g, sampler(logits[g] if len(g) < len(rows) else logits, [rows[i] for i in g]))
-                   for g in groups]
+    try:   # the whole batch at once (no copy of the logits when every row is good)
+        batch_logits = logits if len(good) == len(rows) else logits[good]
+        attempt = [(good, sampler(batch_logits, [rows[i] for i in good]))] if good else []
     except Exception:   # noqa: BLE001 - find the rows at fault: sample them one by one
         attempt = []
         for i in good:
