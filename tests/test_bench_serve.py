@@ -43,7 +43,7 @@ def bench(server, workload: str, *flags: str) -> dict:
     url, tokenizer, root = server
     out = root / f"{workload.split(':')[0]}.json"
     code = main(["bench", "serve", "--base-url", url, "--workload", workload, "--concurrency", "2",
-                 "--duration", "5", "--tokenizer", tokenizer, "--output", str(out), "--no-progress", *flags])
+                 "--duration", "8", "--tokenizer", tokenizer, "--output", str(out), "--no-progress", *flags])
     assert code == 0, "a valid run exits 0"
     with open(out) as f:
         result = json.load(f)
