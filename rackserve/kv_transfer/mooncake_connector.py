@@ -44,6 +44,34 @@ def side_channel_address(config: EngineConfig) -> tuple[str, int]:
     return extra.get("side_channel_host", "127.0.0.1"), int(extra["side_channel_port"])
 
 
+# What a decode request's `kv_transfer_params` must hold, and of which type. These come from the
+# client (through the proxy or router), so each is checked before the scheduler or the transfer
+# thread uses it: a wrong type must be one request's 400, never an engine failure.
+_REMOTE_FIELDS = {"remote_engine_id": str, "remote_request_id": str, "remote_block_ids": list,
+                  "remote_host": str, "remote_port": int, "remote_num_tokens": int}
+
+
+def check_remote_params(params: dict, block_size: int) -> None:
+    """Raise ValueError unless `params` names a pull this connector can carry out (both sides
+    have the same block size: the side channel's handshake checks the layout)."""
+    missing = [k for k in _REMOTE_FIELDS if k not in params]
+    if missing:
+        raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {missing}")
+    for key, kind in _REMOTE_FIELDS.items():
+        value = params[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"kv_transfer_params.{key} must be {kind.__name__}, got {type(value).__name__}")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in params["remote_block_ids"]):
+        raise ValueError("kv_transfer_params.remote_block_ids must be non-negative integers")
+    if not 0 < params["remote_port"] < 65536:
+        raise ValueError(f"kv_transfer_params.remote_port {params['remote_port']} is not a TCP port")
+    if params["remote_num_tokens"] < 0:
+        raise ValueError("kv_transfer_params.remote_num_tokens must be >= 0")
+    if len(params["remote_block_ids"]) * block_size < params["remote_num_tokens"]:
+        raise ValueError(f"kv_transfer_params name {len(params['remote_block_ids'])} remote blocks, too few for "
+                         f"remote_num_tokens={params['remote_num_tokens']} at block size {block_size}")
+
+
 class MooncakeConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
@@ -62,10 +90,7 @@ class MooncakeConnectorScheduler(KVConnectorScheduler):
         params = request.kv_transfer_params
         if not self.is_consumer or not params or not params.get("do_remote_prefill"):
             return None
-        missing = [k for k in ("remote_engine_id", "remote_request_id", "remote_block_ids",
-                               "remote_host", "remote_port", "remote_num_tokens") if k not in params]
-        if missing:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {missing}")
+        check_remote_params(params, self.block_size)
         return params
 
     def validate_request(self, request: Request) -> None:
