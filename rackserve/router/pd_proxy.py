@@ -13,7 +13,9 @@ import contextlib
 import itertools
 from typing import Any
 
+from rackserve.router.body import parse_body
 from rackserve.serve.cli import register_subcommand
+from rackserve.serve.serving_engine import OpenAIError
 
 PREFILL_TIMEOUT_S = 600.0
 
@@ -43,10 +45,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
     app = FastAPI(title="rackserve P/D proxy", lifespan=lifespan)
 
     async def two_hops(path: str, request: Request) -> Response:
-        body = await request.json()
-        if not isinstance(body, dict):
-            return JSONResponse({"error": {"message": "the body must be a JSON object", "type": "invalid_request_error",
-                                           "code": 400}}, status_code=400)
+        try:
+            body = parse_body(await request.body())
+        except OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         prefill = await client.post(next(prefillers) + path, json=prefill_body(body))
         if prefill.status_code != 200:   # a bad request is the prefiller's to refuse, as is
             return Response(prefill.content, prefill.status_code, media_type="application/json")

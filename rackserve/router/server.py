@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
 from rackserve.router.router import Instance, Router
+from rackserve.router.body import parse_body, prompt_chars
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
@@ -59,10 +60,10 @@ class RouterFront:
 
     async def forward(self, path: str, raw: bytes) -> Response:
         try:
-            body = json.loads(raw)
-            assert isinstance(body, dict)
-        except (ValueError, AssertionError):
-            return _error(OpenAIError("the request body is not a JSON object"))
+            body = parse_body(raw)
+            self._check_fits(path, body)
+        except OpenAIError as e:
+            return _error(e)
         token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, body)
         num_blocks = len(token_ids) // self.router.block_size if self.router.block_size else 0
         tried: set[str] = set()
@@ -93,6 +94,16 @@ class RouterFront:
                 last_error = response
                 continue
             return response
+
+    def _check_fits(self, path: str, body: dict) -> None:
+        """Refuse, as the instances would, a prompt longer than any instance's context can hold,
+        before the router's tokenizer spends seconds (and the GIL) on it."""
+        limits = [i.info["max_model_len"] for i in self.router.healthy if "max_model_len" in i.info]
+        if self.tokenizer is not None and limits:
+            try:
+                self.tokenizer.check_fits(prompt_chars(path, body), max(limits))
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages" if "chat" in path else "prompt") from None
 
     async def _send(self, instance: Instance, path: str, body: dict, request_id: str) -> Response:
         """The instance's answer; raises on a connection that fails before the first token."""

@@ -186,7 +186,8 @@ def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str,
             "topic": publisher.config.topic if publisher is not None else None,
             "block_size": config.cache.block_size, "hash_scheme": "rackserve-blake2b64-chained", "hash_seed": 0,
             "enable_prefix_caching": config.cache.enable_prefix_caching,
-            "data_parallel_size": config.parallel.data_parallel_size}
+            "data_parallel_size": config.parallel.data_parallel_size,
+            "max_model_len": config.model.max_model_len}
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
