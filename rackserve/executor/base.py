@@ -12,6 +12,7 @@ from typing import Callable
 
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from rackserve.registry import Registry
 
 
 class Executor(ABC):
@@ -44,21 +45,13 @@ class Executor(ABC):
         """Stop workers and free memory; safe to call twice."""
 
 
-EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {}
-
-
-def register_executor(name: str):
-    def wrap(cls):
-        EXECUTORS[name] = cls
-        return cls
-    return wrap
+# Executor "x" lives in rackserve/executor/x.py or, for a package of its own, rackserve/x/executor.py
+# ("sim"); importing it registers it, which keeps torch out of processes that never execute.
+EXECUTORS: Registry[Callable[[EngineConfig], Executor]] = Registry(
+    "executor", "rackserve.executor.{}", "rackserve.{}.executor")
+register_executor = EXECUTORS.register
 
 
 def create_executor(config: EngineConfig, name: str | None = None) -> Executor:
     """The executor registered as `name`; by default "uniproc" for one rank, "mp" for more."""
-    name = name or ("uniproc" if config.parallel.world_size == 1 else "mp")
-    if name not in EXECUTORS:
-        # Importing the module registers it; keeps torch out of processes that never execute.
-        import importlib
-        importlib.import_module(f"rackserve.executor.{name}")
-    return EXECUTORS[name](config)
+    return EXECUTORS.get(name or ("uniproc" if config.parallel.world_size == 1 else "mp"))(config)

@@ -11,17 +11,15 @@ state in globals.
 """
 from __future__ import annotations
 
-import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from rackserve.model.mla import MLABackend
+from rackserve.registry import Registry
 
 
 @dataclass
@@ -115,30 +113,16 @@ class AttentionBackend(ABC):
 
 
 # name -> AttentionBackend subclass; names ending in "_mla" -> MLABackend subclass (model/mla.py).
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend] | type[MLABackend]] = {}
-
-
-def register_attn_backend(name: str):
-    def wrap(cls):
-        ATTENTION_BACKENDS[name] = cls
-        return cls
-    return wrap
+# Backend "x" lives in rackserve/model/x_attention.py; importing it registers it.
+ATTENTION_BACKENDS: Registry[Any] = Registry("attention backend", "rackserve.model.{}_attention")
+register_attn_backend = ATTENTION_BACKENDS.register
 
 
 def get_attn_backend(name: str, use_mla: bool = False, family: str = "") -> Any:
     """Backend `name` (an AttentionBackend); with use_mla, its latent-attention sibling
     `name_mla` (an MLABackend); with a family, `name_family`. All build their per-step metadata
     with `build_metadata`."""
-    name = f"{name}_mla" if use_mla else f"{name}_{family}" if family else name
-    if name not in ATTENTION_BACKENDS:
-        # Backend "x" lives in rackserve/model/x_attention.py; importing it registers it.
-        try:
-            importlib.import_module(f"rackserve.model.{name}_attention")
-        except ModuleNotFoundError:
-            pass
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]
+    return ATTENTION_BACKENDS.get(f"{name}_mla" if use_mla else f"{name}_{family}" if family else name)
 
 
 class AttentionLayerBase(nn.Module):

@@ -11,7 +11,6 @@ see equal scores choose alike. This file must never move tokens or touch expert 
 """
 from __future__ import annotations
 
-import importlib
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rackserve.model.layers import default_weight_loader
+from rackserve.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -127,25 +127,8 @@ class Gate(ABC):
         """x: [T, hidden] float32; weight: [num_experts, hidden] float32; bias: [num_experts]."""
 
 
-GATES: dict[str, type[Gate]] = {}
-
-
-def register_gate(name: str):
-    def wrap(cls: type[Gate]) -> type[Gate]:
-        GATES[name] = cls
-        return cls
-    return wrap
-
-
-def get_gate(name: str) -> type[Gate]:
-    if name not in GATES:
-        try:
-            importlib.import_module(f"rackserve.model.{name}_gate")     # gate "x" lives in x_gate.py
-        except ModuleNotFoundError:
-            pass
-    if name not in GATES:
-        raise ValueError(f"unknown gate {name!r}; known: {sorted(GATES)}")
-    return GATES[name]
+GATES: Registry[type[Gate]] = Registry("gate", "rackserve.model.{}_gate")   # gate "x" lives in x_gate.py
+register_gate, get_gate = GATES.register, GATES.get
 
 
 @register_gate("plain")

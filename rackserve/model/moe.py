@@ -19,7 +19,6 @@ choose experts (model/gate.py does) nor know any architecture.
 """
 from __future__ import annotations
 
-import importlib
 import re
 from abc import ABC, abstractmethod
 
@@ -31,6 +30,7 @@ from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.model.layers import default_weight_loader, silu_and_mul, split_evenly
 from rackserve.model.moe_dispatch import AllToAllDispatcher, DispatchedTokens, ExpertPlacement, LocalDispatcher
 from rackserve.model.gate import Routing
+from rackserve.registry import Registry
 
 # "model.layers.3.mlp.experts.17.gate_proj.weight": one expert's tensor in a checkpoint.
 _EXPERT_TENSOR = re.compile(r"^(?P<moe>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -53,25 +53,9 @@ class MoEBackend(ABC):
         """[N, H]: for each token, the sum over its experts held here of weight * expert(token)."""
 
 
-MOE_BACKENDS: dict[str, type[MoEBackend]] = {}
-
-
-def register_moe_backend(name: str):
-    def wrap(cls: type[MoEBackend]) -> type[MoEBackend]:
-        MOE_BACKENDS[name] = cls
-        return cls
-    return wrap
-
-
-def get_moe_backend(name: str) -> type[MoEBackend]:
-    if name not in MOE_BACKENDS:
-        try:
-            importlib.import_module(f"rackserve.model.{name}_moe")      # backend "x" lives in x_moe.py
-        except ModuleNotFoundError:
-            pass
-    if name not in MOE_BACKENDS:
-        raise ValueError(f"unknown MoE backend {name!r}; known: {sorted(MOE_BACKENDS)}")
-    return MOE_BACKENDS[name]
+# Backend "x" lives in x_moe.py.
+MOE_BACKENDS: Registry[type[MoEBackend]] = Registry("MoE backend", "rackserve.model.{}_moe")
+register_moe_backend, get_moe_backend = MOE_BACKENDS.register, MOE_BACKENDS.get
 
 
 @register_moe_backend("torch")
