@@ -8,11 +8,13 @@ import json
 from rackserve.bench.metrics import RunSummary
 from rackserve.bench.plot import plot_results, points
 from rackserve.serve.cli import main
+from rackserve.sim.calibrate import CPU_CALIBRATION
 
 
 def test_sim_writes_bench_serve_json_that_bench_plot_draws(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    rc = main(["sim", "--concurrency", "1,4", "--duration", "20", "--max-model-len", "8192",
+    rc = main(["sim", "--hardware", CPU_CALIBRATION, "--concurrency", "1,4", "--duration", "20",
+               "--max-model-len", "8192",
                "--output", str(out), "--plot", str(png)])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -115,3 +117,45 @@ def test_kv_pool_keeps_the_most_recent_blocks():
     pool.offer(second[:2])          # evicts the two oldest blocks: the first prompt's prefix
     assert pool.prefix_tokens(first, 64) == 0 and pool.prefix_tokens(second, 64) == 32
     assert pool.prefix_tokens(second, 20) == 16      # never past the limit, in whole blocks
+
+
+def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """No saved calibration matches a new model: `--hardware cpu` measures one with bench forward,
+    saves it keyed by this machine and the model's serve defaults, and the next run reuses it."""
+    from rackserve.sim import cpu_device
+    monkeypatch.setattr(cpu_device, "FORWARD_SECONDS", 0.2)
+    args = ["sim", "--model", tiny_llama_dir, "--hardware", "cpu", "--calibration-dir", str(tmp_path / "cal"),
+            "--workload", "random", "--random-input-len", "200", "--random-output-len", "20", "--concurrency", "2",
+            "--duration", "5", "--summary-only"]
+    results = []
+    for i in range(2):
+        out = tmp_path / f"run{i}.json"
+        assert main([*args, "--output", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    err = capsys.readouterr().err
+    assert err.count("measuring one with bench forward") == 1     # the second run found the first's
+    saved = list((tmp_path / "cal").glob("*.json"))
+    assert len(saved) == 1 and results[0]["sim"]["calibration"] == results[1]["sim"]["calibration"] == str(saved[0])
+    calibration = json.loads(saved[0].read_text())
+    assert calibration["key"] == cpu_device.serve_key(tiny_llama_dir)
+    assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == "fp32"
+    assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {(1, 1), (4, 1), (16, 1),
+                                                                                    (1, 256), (4, 256)}
+    assert all(m["measured_s"] > 0 and m["simulated_s"] > 0 for m in calibration["measured"])
+    assert results[0]["runs"][0]["summary"]["throughput_per_device"] == results[1]["runs"][0]["summary"][
+        "throughput_per_device"]
+
+
+def test_a_router_policy_change_shows_in_the_projection(tmp_path):
+    """The cluster router's policies route the simulated instances from the KV events of their own
+    block pools: kv routing keeps a session's turns where its prefix is cached, round robin
+    scatters them, so kv finds more of the cache."""
+    rates = {}
+    for policy in ("round_robin", "kv"):
+        out = tmp_path / f"{policy}.json"
+        rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--instances", "3",
+                   "--router-policy", policy, "--kv-cache-memory", "4", "--scale", "0.05", "--max-model-len", "32768",
+                   "--concurrency", "8", "--duration", "10", "--output", str(out), "--summary-only"])
+        assert rc == 0
+        rates[policy] = json.loads(out.read_text())["runs"][0]["summary"]["hit_rate"]
+    assert rates["kv"] > rates["round_robin"] + 0.1

@@ -12,10 +12,12 @@ It owns the fit; it must never run the model itself (bench forward does) nor imp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import statistics
+import sys
 from collections.abc import Sequence
 
 from rackserve.sim.cost import CostModel, SeqWork
@@ -24,17 +26,42 @@ from rackserve.sim.model_spec import ModelSpec, load_model_spec
 
 CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
 FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
+RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands")   # how a file was made
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def load_cpu(path: str = CPU_CALIBRATION) -> Hardware:
+def load_calibration(path: str = CPU_CALIBRATION) -> tuple[Hardware, dict]:
+    """A saved calibration: the device, and what the model ran as when it was measured ("spec":
+    weight and KV precision, weight bytes per parameter; empty for an older file: fp32)."""
     if not os.path.isfile(path):
         raise ValueError(f"no cpu calibration at {path}: "
                          "run python -m rackserve.sim.calibrate on bench forward results")
     with open(path) as f:
         d = json.load(f)
-    for key in ("measured", "held_out", "command"):
+    spec = d.pop("spec", {})
+    for key in RECORD:
         d.pop(key, None)
-    return Hardware(**d)
+    return Hardware(**d), spec
+
+
+def load_cpu(path: str = CPU_CALIBRATION) -> Hardware:
+    return load_calibration(path)[0]
+
+
+def calibrated_spec(spec: ModelSpec, as_measured: dict) -> ModelSpec:
+    """`spec` as the calibration's steps ran it (precision, packed weights)."""
+    precision = as_measured.get("weight_precision", "fp32")
+    spec = spec.with_precision(precision, as_measured.get("kv_precision", precision))
+    return dataclasses.replace(spec, dense_weight_bytes=as_measured.get("weight_bytes_per_param"))
+
+
+def _as_measured(spec: ModelSpec, result: dict) -> dict:
+    """What a bench forward result's side A ran: its dtype, and its weights' bytes per parameter
+    (a GGUF's packed linears read fewer than the dtype's)."""
+    setting = result["settings"]["A"]
+    precision = _DTYPES.get(setting["dtype"], "fp32")
+    per_param = setting["cost"]["weight_bytes"] / (spec.dense_params_per_token + spec.lm_head_params)
+    return {"weight_precision": precision, "kv_precision": precision, "weight_bytes_per_param": per_param}
 
 
 def forward_points(result: dict, side: str = "A") -> list[tuple[list[SeqWork], float]]:
@@ -93,6 +120,33 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
     return device(params)
 
 
+def fit_forward_results(results: Sequence[dict], model: str, source: str) -> tuple[Hardware, dict, list[dict]]:
+    """The cpu device fitted to bench forward results (one model, dtype and quantization), what the
+    model ran as, and each point's measured and modelled step time."""
+    base = load_model_spec(model)
+    as_measured = _as_measured(base, results[0])
+    spec = calibrated_spec(base, as_measured)
+    points = [pt for r in results for pt in forward_points(r)]
+    flops = statistics.median(r["limits"]["A"]["matmul_gflops"] for r in results) * 1e9
+    bw = statistics.median(r["limits"]["A"]["mem_read_gbps"] for r in results) * 1e9
+    hw = fit(spec, points, flops, bw, source)
+    model_ = CostModel(spec, hw)
+    measured = [{"batch_size": len(b), "new_tokens": b[0].new_tokens, "context_len": b[0].context,
+                 "measured_s": t, "simulated_s": model_.step([b]).seconds} for b, t in points]
+    return hw, as_measured, measured
+
+
+def save(path: str, hw: Hardware, as_measured: dict, measured: list[dict], held_out: list[dict],
+         command: list[str], key: dict | None = None, serve: dict | None = None) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    record = {**hw.to_json(), "spec": as_measured, "key": key, "measured": measured, "held_out": held_out,
+              "serve": serve, "command": command}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)     # a run looking for calibrations never reads half a file
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="fit the cpu device to bench forward results")
     parser.add_argument("results", nargs="+", help="bench forward JSON files (same model, threads and dtype)")
@@ -101,16 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="append", default=[], metavar="FILE[:SIDE][:KV_DTYPE]",
                         help="held out: print the fitted model's error on this bench forward result "
                         "(side A by default; KV_DTYPE e.g. bf16 when that side ran a 16-bit KV cache)")
+    parser.add_argument("--serve", default=None, metavar="BENCH_SERVE.json",
+                        help="also measure the serving path's cost from this bench serve run (serve_path.py)")
+    parser.add_argument("--key", action="store_true",
+                        help="key the calibration to this machine and the model's serve defaults, so "
+                        "rackserve sim --hardware cpu finds it")
     args = parser.parse_args(argv)
     results = [json.load(open(path)) for path in args.results]
-    spec = load_model_spec(args.model).with_precision("fp32", "fp32")
-    points = [pt for r in results for pt in forward_points(r)]
-    flops = statistics.median(r["limits"]["A"]["matmul_gflops"] for r in results) * 1e9
-    bw = statistics.median(r["limits"]["A"]["mem_read_gbps"] for r in results) * 1e9
-    hw = fit(spec, points, flops, bw, "fitted to " + ", ".join(os.path.basename(p) for p in args.results))
-    model = CostModel(spec, hw)
-    measured = [{"batch_size": len(b), "new_tokens": b[0].new_tokens, "context_len": b[0].context,
-                 "measured_s": t, "simulated_s": model.step([b]).seconds} for b, t in points]
+    hw, as_measured, measured = fit_forward_results(
+        results, args.model, "fitted to " + ", ".join(os.path.basename(p) for p in args.results))
+    spec = calibrated_spec(load_model_spec(args.model), as_measured)
     for m in measured:
         print(f"batch {m['batch_size']:3d} x {m['new_tokens']:4d} new after {m['context_len']:5d}: measured "
               f"{m['measured_s'] * 1e3:7.1f} ms, model {m['simulated_s'] * 1e3:7.1f} ms "
@@ -126,11 +180,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"held out {m['file']} {m['side']}: batch {m['batch_size']} after {m['context_len']}: measured "
               f"{m['measured_s'] * 1e3:.1f} ms, model {m['simulated_s'] * 1e3:.1f} ms "
               f"({m['simulated_s'] / m['measured_s'] - 1:+.0%})")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({**hw.to_json(), "measured": measured, "held_out": held_out, "command": ["python", "-m",
-                   "rackserve.sim.calibrate", *(argv if argv is not None else __import__("sys").argv[1:])]},
-                  f, indent=1)
+    serve = None
+    if args.serve:
+        from rackserve.sim.serve_path import measure_serve_path
+        with open(args.serve) as f:
+            serve = measure_serve_path(json.load(f), spec, hw)
+        serve["file"] = os.path.basename(args.serve)
+        hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=serve["seq_seconds"])
+        print(f"serving path: {serve['step_seconds'] * 1e3:.2f} ms a step + {serve['seq_seconds'] * 1e3:.2f} ms a "
+              "streamed sequence")
+    key = None
+    if args.key:
+        from rackserve.sim.cpu_device import serve_key
+        key = serve_key(args.model)
+    save(args.output, hw, as_measured, measured, held_out,
+         ["python", "-m", "rackserve.sim.calibrate", *(argv if argv is not None else sys.argv[1:])], key, serve)
     print(f"wrote {args.output}")
     return 0
 

@@ -21,7 +21,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--model", default="smollm2-135m-instruct", help="a config.json, an HF directory, or an alias of sim/configs")
     a("--hardware", default="cpu", help="H100, H200, B200, GB200, GB300, MI355X, VR200, cpu (this machine's "
       "calibration) or a JSON file")
-    a("--quantization", default=None, help="weight precision override: bf16, fp8, fp4")
+    a("--quantization", default=None, help="weight precision override: bf16, fp8, fp4 (on cpu: gguf or none, "
+      "as rackserve serve takes it; default: serve's)")
+    a("--calibration-dir", default=None, help="cpu: where run-time calibrations are saved and looked up first "
+      "(default ~/.cache/rackserve/sim)")
     a("--kv-cache-dtype", default=None, help="KV cache precision override: bf16, fp8, fp4 (fp32 for cpu)")
     a("--tensor-parallel-size", type=int, default=1, help="devices splitting each layer (per DP rank)")
     a("--data-parallel-size", type=int, default=1, help="DP ranks per instance, stepping in lockstep")
@@ -30,13 +33,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step")
     a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
     a("--instances", type=int, default=1, help="engine instances behind the router")
-    a("--router-policy", default="least_load", help="round_robin, least_load or least_uncached")
+    a("--router-policy", default="least_load", help="the cluster router's kv, prefix, least_load or round_robin "
+      "(fed the instances' KV events; it picks the DP rank too), or least_uncached (reads the prefix caches)")
     a("--kv-pool-memory", type=float, default=0.0, help="GiB of a KV pool all instances share (0: none); "
       "prompt blocks it holds beyond an instance's own hit load at --kv-pool-bandwidth instead of computing")
     a("--kv-pool-bandwidth", type=float, default=None, help="GB/s an instance loads pool blocks at "
       "(default: the device's scale-out link)")
-    a("--dp-placement", default="least_load", help="DP rank of a new request: least_load (the engine's: fewest "
-      "requests) or least_uncached (least uncached prompt work, prefix hits counted)")
+    a("--dp-placement", default="router", help="DP rank of a new request: router (the router's policy pins it, "
+      "as rackserve router pins data_parallel_rank; with least_uncached routing the engine's least_load), "
+      "least_load (the engine's: fewest requests) or least_uncached (least uncached prompt work, prefix hits "
+      "counted); the router then picks the instance only")
     a("--prefill", type=int, default=0, help="P/D: prefill instances (with --decode: decode instances)")
     a("--decode", type=int, default=0, help="P/D: decode instances, of the main parallel shape")
     a("--prefill-tensor-parallel-size", type=int, default=None, help="P/D: the prefill instances' TP")
@@ -132,9 +138,13 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
     """Every level; the JSON-ready result, laid out as `bench serve`'s."""
     from rackserve.bench.token_text import PromptRenderer, default_vocabulary
     from rackserve.bench.workload import WorkloadOptions, make_workload
-    from rackserve.sim.hardware import load_hardware
+    from rackserve.sim.cpu_device import load_device
     from rackserve.sim.instance import SimSetup
-    setup = SimSetup.from_args(args, load_hardware(args.hardware))
+    from rackserve.sim.model_spec import load_model_spec
+    load_model_spec(args.model)   # an unknown model fails before any calibration
+    hardware, as_measured, calibration = load_device(args.hardware, args.model, args.quantization,
+                                                     args.calibration_dir)
+    setup = SimSetup.from_args(args, hardware, as_measured)
     workload = make_workload(args.workload, WorkloadOptions(
         seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=setup.max_model_len,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len))
@@ -148,7 +158,7 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
               "max_context": setup.max_model_len, "eos": "ignore_eos", "vocabulary": "one word per token",
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": sys.argv,
               "workload_stats": dataclasses.asdict(workload.describe(_stats_sessions(workload))),
-              "sim": setup.describe(), "runs": []}
+              "sim": {**setup.describe(), "calibration": calibration}, "runs": []}
     for concurrency in levels:
         result["runs"].append(setup.run_level(workload, renderer, concurrency, args.duration, args.think_time_cap,
                                               args.seed))

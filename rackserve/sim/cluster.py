@@ -3,6 +3,7 @@ Schedulers and KV cache managers, over a SimExecutor), a routing policy between 
 SimClient, which stands where bench's ChatClient stands, so bench's own Replay (lanes, plays,
 warm-ups, think times, deadline) drives the simulation unchanged and fills the same RequestRecords.
 
+Routing is sim/routing.py's (the cluster router's policies, fed each step's KV events).
 Prompt text becomes token ids word by word (bench renders each token of a block as one word), so
 equal blocks are equal tokens and the real prefix cache sees the workload's sharing. An instance's
 step loop steps its engine core, sleeps the step's virtual seconds, then delivers the tokens.
@@ -21,13 +22,14 @@ from rackserve.core.request import Request
 from rackserve.engine.core import EngineCore
 from rackserve.sampling_params import SamplingParams
 from rackserve.sim.executor import SimExecutor
-from rackserve.sim.routing import RoutingPolicy
+from rackserve.sim.routing import SimRouter
 
 
 @dataclass
 class _Pending:
     record: RequestRecord
     done: asyncio.Future
+    on_first: Callable[[], None]
     tokens: int = 0
 
 
@@ -44,9 +46,12 @@ class InstanceStats:
 
 
 class SimInstance:
-    def __init__(self, index: int, core: EngineCore, clock: Callable[[], float]):
+    def __init__(self, index: int, core: EngineCore, clock: Callable[[], float],
+                 on_step: Callable[[int, list[list]], None] = lambda index, kv_events: None):
+        """`on_step(index, kv_events_by_rank)`: after each step, its DP ranks' KV events (a router's
+        index follows them)."""
         assert isinstance(core.executor, SimExecutor), "a simulated instance runs the sim executor"
-        self.index, self.core, self.clock = index, core, clock
+        self.index, self.core, self.clock, self.on_step = index, core, clock, on_step
         self.pending: dict[str, _Pending] = {}
         self.stats = InstanceStats()
         self._wake = asyncio.Event()
@@ -59,14 +64,16 @@ class SimInstance:
         """Requests in flight here (least-load routing balances this)."""
         return len(self.pending)
 
-    async def generate(self, req_id: str, token_ids: list[int], max_tokens: int, record: RequestRecord) -> None:
-        """Run one request to its end, filling `record` as a streaming client would."""
+    async def generate(self, req_id: str, token_ids: list[int], max_tokens: int, record: RequestRecord,
+                       dp_rank: int | None = None, on_first: Callable[[], None] = lambda: None) -> None:
+        """Run one request to its end, filling `record` as a streaming client would; on `dp_rank`
+        when a router pinned one, else where the engine places it."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         if len(token_ids) + max_tokens > self.max_model_len:
             record.error, record.error_message = CONTEXT_OVERFLOW, f"maximum context length is {self.max_model_len}"
             return
-        self.core.add_requests([Request(req_id, token_ids, params, arrival_time=self.clock())])
-        pending = self.pending[req_id] = _Pending(record, asyncio.get_running_loop().create_future())
+        self.core.add_requests([Request(req_id, token_ids, params, arrival_time=self.clock())], dp_rank)
+        pending = self.pending[req_id] = _Pending(record, asyncio.get_running_loop().create_future(), on_first)
         record.prompt_tokens = len(token_ids)
         self._wake.set()
         await pending.done
@@ -82,6 +89,7 @@ class SimInstance:
             outputs, stats = self.core.step()
             seconds = executor.last_step_seconds
             self._account(stats, seconds)
+            self.on_step(self.index, [r.kv_events for r in stats.dp_ranks])
             # An empty step (nothing fits yet) still lets time pass, so arrivals can change that.
             await asyncio.sleep(max(seconds, 1e-4))
             now = self.clock()
@@ -93,6 +101,7 @@ class SimInstance:
                 if out.new_token_ids:
                     if record.first_chunk is None:
                         record.first_chunk = now
+                        pending.on_first()
                     record.chunk_times.append(now)
                     pending.tokens += len(out.new_token_ids)
                 if out.finished:
@@ -127,17 +136,17 @@ class Tokens:
 class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
-    def __init__(self, instances: list[SimInstance], policy: RoutingPolicy, clock: Callable[[], float]):
-        self.instances, self.policy, self.clock = instances, policy, clock
+    def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float]):
+        self.instances, self.router, self.clock = instances, router, clock
         self.tokens = Tokens()
         self._ids = itertools.count()
         self.prefill: list[SimInstance] = []
 
-    def disaggregate(self, prefill: list[SimInstance], policy: RoutingPolicy,
+    def disaggregate(self, prefill: list[SimInstance], router: SimRouter,
                      transfer_seconds: Callable[[int], float]) -> None:
         """P/D: prompts are computed on `prefill` instances (their first token is the TTFT), their
         new KV then crosses the link (transfer_seconds(tokens)) to a decode instance."""
-        self.prefill, self.prefill_policy, self.transfer_seconds = prefill, policy, transfer_seconds
+        self.prefill, self.prefill_router, self.transfer_seconds = prefill, router, transfer_seconds
 
     async def send(self, messages: list[dict[str, str]], record: RequestRecord) -> RequestRecord:
         token_ids = self.tokens.encode(messages)
@@ -145,22 +154,30 @@ class SimClient:
         if self.prefill:
             await self._disaggregated(token_ids, record)
         else:
-            instance = self.instances[self.policy.pick(self.instances, token_ids)]
-            await instance.generate(f"sim-{next(self._ids)}", token_ids, record.max_tokens, record)
+            await self._routed(self.instances, self.router, f"sim-{next(self._ids)}", token_ids,
+                               record.max_tokens, record)
         record.end = self.clock()
         return record
 
+    @staticmethod
+    async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: list[int],
+                      max_tokens: int, record: RequestRecord) -> None:
+        route = router.pick(instances, token_ids, req_id)
+        try:
+            await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
+                                                     lambda: router.first_token(req_id))
+        finally:
+            router.finish(req_id)
+
     async def _disaggregated(self, token_ids: list[int], record: RequestRecord) -> None:
         req_id = f"sim-{next(self._ids)}"
-        prefill = self.prefill[self.prefill_policy.pick(self.prefill, token_ids)]
-        await prefill.generate(req_id, token_ids, 1, record)
+        await self._routed(self.prefill, self.prefill_router, req_id, token_ids, 1, record)
         if not record.ok or record.max_tokens == 1:
             return
         await asyncio.sleep(self.transfer_seconds(len(token_ids) - (record.cached_tokens or 0)))
         rest = dataclasses.replace(record, chunk_times=[], first_chunk=None)
-        decode = self.instances[self.policy.pick(self.instances, token_ids)]
         # The first token came from the prefill instance; its id is a stand-in here too.
-        await decode.generate(req_id + "-d", token_ids + [0], record.max_tokens - 1, rest)
+        await self._routed(self.instances, self.router, req_id + "-d", token_ids + [0], record.max_tokens - 1, rest)
         record.error, record.error_message = rest.error, rest.error_message
         record.chunk_times += rest.chunk_times
         record.output_tokens = 1 + (rest.output_tokens or 0)

@@ -4,7 +4,9 @@ produced (each sequence's new tokens and the context before them), split by oper
 
 time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) (their sum on a
 device whose compute and memory traffic do not overlap: the CPU); a step is the sum of its
-classes plus the device's fixed overheads (per step, per layer, per scheduled sequence).
+classes plus the device's fixed overheads (per step, per layer, per scheduled sequence) and, where
+the serving path shares the cores with the step (a CPU), its cost per step and per streamed
+sequence.
 Parallel shapes: tensor parallelism
 splits linears and heads (two all-reduces per layer); expert parallelism spreads the routed
 experts over all ranks of the instance (all-to-all dispatch and combine per MoE layer), each
@@ -96,7 +98,7 @@ class CostModel:
         s, tp = self.spec, self.shape.tensor_parallel_size
         tokens = sum(w.new_tokens for w in batch)
         sampled = sum(1 for w in batch if w.samples)
-        wbytes = PRECISION_BYTES[s.weight_precision]
+        wbytes = s.weight_bytes
         params = s.dense_params_per_token + (s.lm_head_params if sampled else 0)
         flops = 2 * s.dense_params_per_token * tokens + 2 * s.lm_head_params * sampled
         return self._time(OpCost(flops / tp, params * wbytes / tp), "gemm_flops", s.weight_precision)
@@ -191,5 +193,7 @@ class CostModel:
         else:
             seconds = max(r.busy_seconds + r.comm_seconds for r in ranks)
         sequences = max(len(b) for b in batches)
+        streamed = max(sum(1 for w in b if w.samples) for b in batches)
         fixed = self.hw.step_overhead + s.num_layers * self.hw.layer_overhead
-        return StepCost(seconds + fixed + sequences * self.hw.seq_overhead, ranks)
+        serving = self.hw.serve_step_overhead + streamed * self.hw.serve_seq_overhead
+        return StepCost(seconds + fixed + sequences * self.hw.seq_overhead + serving, ranks)

@@ -164,6 +164,6 @@ class SimExecutor(Executor):
 
     def weight_bytes_per_device(self, tp: int, world: int, expert_parallel: bool) -> float:
         s = self.spec
-        dense = (s.dense_params_per_token + 2 * s.lm_head_params) * PRECISION_BYTES[s.weight_precision] / tp
+        dense = (s.dense_params_per_token + 2 * s.lm_head_params) * s.weight_bytes / tp
         experts = s.num_moe_layers * s.num_experts * s.expert_params * PRECISION_BYTES[s.expert_precision]
         return dense + experts / (world if expert_parallel else tp)

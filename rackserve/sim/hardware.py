@@ -27,6 +27,11 @@ class Hardware:
     step_overhead: float = 0.0      # seconds per step outside the model (scheduling, launches, sampling)
     seq_overhead: float = 0.0       # seconds per scheduled sequence per step (metadata, sampling, gathers)
     layer_overhead: float = 0.0     # seconds per layer per step however small the batch (kernel floors)
+    # What a server's serving path (output processing, detokenization, SSE, the event loop, the
+    # benchmark client) adds to a step where it shares the cores with it: a CPU. Measured from a
+    # `bench serve` run (sim/serve_path.py); 0 on GPUs, whose host CPUs run it beside the kernels.
+    serve_step_overhead: float = 0.0   # seconds per step
+    serve_seq_overhead: float = 0.0    # seconds per sequence that streams a token that step
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True

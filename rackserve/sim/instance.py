@@ -13,7 +13,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from rackserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
+                              SchedulerConfig)
 from rackserve.engine.core import EngineCore
 from rackserve.sim.cost import CostModel, ParallelShape
 from rackserve.sim.executor import SimExecutor
@@ -35,16 +36,20 @@ class SimSetup:
     acceptance_rate: float = 0.0
     prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
     kv_arrives: bool = False             # a decode pool: prompts' KV comes from the prefill pool
-    dp_placement: str = "least_load"     # the engine's own, or sim/routing.py's least_uncached
+    dp_placement: str = "router"         # the router's pick, the engine's least_load, or least_uncached
     kv_pool_gib: float = 0.0             # a KV pool shared by all instances (0: none)
     kv_pool_bandwidth: float = 0.0       # bytes/s an instance loads from it
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, hardware: Hardware) -> "SimSetup":
+    def from_args(cls, args: argparse.Namespace, hardware: Hardware, as_measured: dict | None = None) -> "SimSetup":
+        """`as_measured`: a `cpu` calibration's record of how the model ran (its precision and packed
+        weights; --quantization chose the calibration then)."""
         spec = load_model_spec(args.model)
-        if hardware.name == "cpu":   # rackserve on CPU runs float32 weights and KV unless told otherwise
-            spec = spec.with_precision("fp32", "fp32")
-        spec = spec.with_precision(args.quantization, args.kv_cache_dtype)
+        if as_measured is not None or hardware.name == "cpu":
+            from rackserve.sim.calibrate import calibrated_spec
+            spec = calibrated_spec(spec, as_measured or {}).with_precision(kv=args.kv_cache_dtype)
+        else:
+            spec = spec.with_precision(args.quantization, args.kv_cache_dtype)
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         if tp < 1 or dp < 1:
             raise ValueError("parallel sizes must be >= 1")
@@ -60,10 +65,13 @@ class SimSetup:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
-        from rackserve.sim.routing import make_policy
-        make_policy(args.router_policy)   # an unknown name fails here, before any run
-        if args.dp_placement not in ("least_load", "least_uncached"):
-            raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose least_load or least_uncached")
+        from rackserve.sim.routing import make_router
+        if make_router(args.router_policy, args.block_size).uses_kv_events:   # an unknown name fails here
+            # The router's index follows the instances' KV events, as with --kv-events-config.
+            config = dataclasses.replace(config, kv_events=KVEventsConfig(enable_kv_cache_events=True))
+        from rackserve.sim.routing import DP_PLACEMENT_NAMES
+        if args.dp_placement not in DP_PLACEMENT_NAMES:
+            raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose one of {DP_PLACEMENT_NAMES}")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
                     args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement,
                     kv_pool_gib=args.kv_pool_memory,
@@ -166,7 +174,7 @@ class SimSetup:
         from rackserve.bench.metrics import summarize
         from rackserve.bench.replay import Replay, ReplayConfig
         from rackserve.sim.cluster import SimClient, SimInstance
-        from rackserve.sim.routing import make_policy
+        from rackserve.sim.routing import make_router
 
         async def play() -> tuple[list, list[SimInstance], list[SimInstance], float]:
             loop = asyncio.get_running_loop()
@@ -177,16 +185,20 @@ class SimSetup:
 
             pool = self.kv_pool()
             computes = self.prefill is None   # under P/D the prefill pool computes prompts and uses the KV pool
-            instances = [SimInstance(i, self.engine(seed + i, pool if computes else None), clock)
+            block_size = self.config.cache.block_size
+            pin = self.dp_placement == "router"
+            router = make_router(self.router_policy, block_size, seed, pin)
+            instances = [SimInstance(i, self.engine(seed + i, pool if computes else None), clock, router.observe)
                          for i in range(self.instances)]
+            prefill_router = make_router(self.router_policy, block_size, seed + 1000, pin)
             prefill = [] if self.prefill is None else [
-                SimInstance(i, self.prefill.engine(seed + 1000 + i, pool), clock)
+                SimInstance(i, self.prefill.engine(seed + 1000 + i, pool), clock, prefill_router.observe)
                 for i in range(self.prefill.instances)]
             pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
-            client = SimClient(instances, make_policy(self.router_policy), clock)
+            client = SimClient(instances, router, clock)
             if prefill:
-                client.disaggregate(prefill, make_policy(self.router_policy), self.transfer_seconds)
+                client.disaggregate(prefill, prefill_router, self.transfer_seconds)
             config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")
             try:
                 records = await Replay(workload, renderer, client, config).run()

@@ -74,6 +74,9 @@ class ModelSpec:
     kv_precision: str = "bf16"
     kv_entry_bytes: float | None = None     # overrides kv_entry_elems x the KV precision
     mtp_tokens: int = 0                     # speculative tokens per step from MTP layers (0: off)
+    # Bytes per dense and LM head parameter when not the weight precision's: a GGUF whose linears
+    # stay packed (Q4_1 and a Q8_0 embedding), as a `cpu` calibration measured them.
+    dense_weight_bytes: float | None = None
 
     @property
     def total_params(self) -> int:
@@ -83,6 +86,13 @@ class ModelSpec:
     @property
     def active_params_per_token(self) -> int:
         return self.dense_params_per_token + self.num_moe_layers * self.experts_per_token * self.expert_params
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes one dense (or LM head) parameter takes in memory."""
+        if self.dense_weight_bytes is not None:
+            return self.dense_weight_bytes
+        return PRECISION_BYTES[self.weight_precision]
 
     @property
     def entry_bytes(self) -> float:
@@ -107,7 +117,7 @@ class ModelSpec:
                 raise ValueError(f"unknown precision {p!r}; choose one of {sorted(PRECISION_BYTES)}")
         spec = self
         if weights:
-            spec = replace(spec, weight_precision=weights, expert_precision=weights)
+            spec = replace(spec, weight_precision=weights, expert_precision=weights, dense_weight_bytes=None)
         if kv:
             scale = PRECISION_BYTES[kv] / PRECISION_BYTES[spec.kv_precision]
             spec = replace(spec, kv_precision=kv,

@@ -1,55 +1,91 @@
-"""Routing between simulated instances: a small base class and a registry by name
-(`--router-policy`). `round_robin`, `least_load` (fewest requests in flight) and `least_uncached`
-(least uncached prompt work, reading each instance's prefix cache as perfect KV events would) live
-here until the cluster router (router/) exists; its policies will plug in through the same `pick`.
-`least_uncached_placement` is the same rule for the DP ranks inside an instance
-(`--dp-placement`), beside the engine's own `least_load`.
+"""Routing between simulated instances (`--router-policy`): the cluster router's own policies
+(router/policies.py: kv, prefix, least_load, round_robin) fed as the real router feeds them, and
+`least_uncached`, which has no router equivalent.
+
+For the router's policies a `ClusterRouter` keeps router/'s KVIndex and ActiveLoads: every step
+of every simulated instance hands its DP ranks' KV events (the engine's own BlockPool events, with
+events enabled as `--kv-events-config` would) to the index, and each routed request is counted in
+the loads until its first token and its end, exactly as router/server.py counts it; the policy
+then picks an instance and a DP rank (a worker), and the request is pinned to that rank as the
+router pins it (`data_parallel_rank`). So a change to a router policy shows in the projection.
+`least_uncached` reads each instance's prefix cache directly (perfect knowledge) and leaves the
+DP rank to the engine's placement; `least_uncached_placement` is the same rule for the DP ranks
+inside an instance (`--dp-placement`), beside the engine's own `least_load`.
 
 This file owns the choice of instance and DP rank; it must never step an engine.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, NamedTuple
 
 from rackserve.core.hashing import block_hashes
 from rackserve.core.request import Request
 from rackserve.core.scheduler import Scheduler
+from rackserve.router.index import KVIndex, WorkerKey
+from rackserve.router.load import ActiveLoads
+from rackserve.router.policies import ROUTING_POLICIES, create_policy
+
+OWN_POLICIES = ("least_uncached",)
 
 
-class RoutingPolicy(ABC):
-    @abstractmethod
-    def pick(self, instances: Sequence, token_ids: list[int]) -> int:
-        """The index of the instance that takes a request with these prompt tokens."""
+class Route(NamedTuple):
+    instance: int
+    dp_rank: int | None     # None: the engine's DP placement decides
 
 
-ROUTING_POLICIES: dict[str, Callable[[], RoutingPolicy]] = {}
+class SimRouter:
+    """The base: picks a route; told of each instance's steps and of each request's first token
+    and end (the router's view of the cluster). The hooks do nothing unless a router needs them."""
+    uses_kv_events = False
+
+    def pick(self, instances: Sequence, token_ids: list[int], req_id: str) -> Route:
+        raise NotImplementedError
+
+    def observe(self, instance: int, kv_events_by_rank: list[list[Any]]) -> None:
+        """KV events of one instance's step, one list per DP rank."""
+
+    def first_token(self, req_id: str) -> None:
+        """The request's first token arrived (its prefill is no longer queued work)."""
+
+    def finish(self, req_id: str) -> None:
+        """The request ended (or failed)."""
 
 
-def register_policy(name: str):
-    def wrap(cls):
-        ROUTING_POLICIES[name] = cls
-        return cls
-    return wrap
+class ClusterRouter(SimRouter):
+    """router/policies.py's policy over router/'s KV index and predicted loads."""
+    uses_kv_events = True
 
+    def __init__(self, policy: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True):
+        """`pin_dp_rank`: the request goes to the chosen worker's DP rank (as rackserve router pins
+        `data_parallel_rank`); False: to its instance only, the engine placing it."""
+        self.policy = create_policy(policy, seed=seed)
+        self.block_size, self.pin_dp_rank = block_size, pin_dp_rank
+        self.index, self.loads = KVIndex(), ActiveLoads()
 
-@register_policy("round_robin")
-class RoundRobin(RoutingPolicy):
-    def __init__(self) -> None:
-        self.next = 0
+    @staticmethod
+    def worker(instance: int, dp_rank: int) -> WorkerKey:
+        return WorkerKey(f"sim://{instance}", dp_rank)
 
-    def pick(self, instances: Sequence, token_ids: list[int]) -> int:
-        index = self.next % len(instances)
-        self.next += 1
-        return index
+    def pick(self, instances: Sequence, token_ids: list[int], req_id: str) -> Route:
+        hashes = block_hashes(token_ids, self.block_size)
+        workers = [self.worker(i, d) for i, inst in enumerate(instances) for d in range(len(inst.core.schedulers))]
+        decision = self.policy.choose(hashes, workers, self.index, self.loads)
+        # As router/server.py counts a routed request: its blocks, and the uncached ones as prefill.
+        self.loads.add(req_id, decision.worker, max(len(hashes), 1), len(hashes) - decision.overlap_blocks)
+        return Route(int(decision.worker.url.removeprefix("sim://")),
+                     decision.worker.dp_rank if self.pin_dp_rank else None)
 
+    def observe(self, instance: int, kv_events_by_rank: list[list[Any]]) -> None:
+        for rank, events in enumerate(kv_events_by_rank):
+            for event in events:
+                self.index.apply(self.worker(instance, rank), event)
 
-@register_policy("least_load")
-class LeastLoad(RoutingPolicy):
-    def pick(self, instances: Sequence, token_ids: list[int]) -> int:
-        loads = [i.load() for i in instances]
-        return loads.index(min(loads))
+    def first_token(self, req_id: str) -> None:
+        self.loads.first_token(req_id)
+
+    def finish(self, req_id: str) -> None:
+        self.loads.finish(req_id)
 
 
 def uncached_work(scheduler: Scheduler, hashes: list[int], num_tokens: int) -> int:
@@ -77,17 +113,23 @@ def least_uncached_placement(schedulers: Sequence[Scheduler], request: Request) 
 
 
 DP_PLACEMENTS = {"least_uncached": least_uncached_placement}
+DP_PLACEMENT_NAMES = ("router", "least_load", "least_uncached")   # router: the router's policy pins the rank
 
 
-@register_policy("least_uncached")
-class LeastUncached(RoutingPolicy):
-    def pick(self, instances: Sequence, token_ids: list[int]) -> int:
+class LeastUncached(SimRouter):
+    def pick(self, instances: Sequence, token_ids: list[int], req_id: str) -> Route:
         hashes = _hashes(instances[0].core.schedulers[0], token_ids)   # one block size for all
         work = [min(uncached_work(s, hashes, len(token_ids)) for s in i.core.schedulers) for i in instances]
-        return work.index(min(work))
+        return Route(work.index(min(work)), None)
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def policy_names() -> list[str]:
+    return sorted([*ROUTING_POLICIES, *OWN_POLICIES])
+
+
+def make_router(name: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True) -> SimRouter:
+    if name == "least_uncached":
+        return LeastUncached()
     if name not in ROUTING_POLICIES:
-        raise ValueError(f"unknown router policy {name!r}; known: {sorted(ROUTING_POLICIES)}")
-    return ROUTING_POLICIES[name]()
+        raise ValueError(f"unknown router policy {name!r}; known: {policy_names()}")
+    return ClusterRouter(name, block_size, seed, pin_dp_rank)

@@ -1,0 +1,132 @@
+"""The `cpu` device at run time: the calibration of this machine for the model, dtype and
+quantization `rackserve serve` would run, found among the saved ones or measured on the spot.
+
+A calibration is keyed by what makes its step times true: the processor (model name and logical
+CPUs), the model, the dtype and the quantization (resolved as `rackserve serve` resolves them:
+auto dtype by the CPU's flags, a GGUF's weights kept packed). `rackserve sim --hardware cpu` looks
+in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
+sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
+context 256-2048, prefill of 256 tokens at batch 1 and 4; a second each, in a child process so the
+simulator itself never imports torch), fits the device (calibrate.py) and saves it there for the
+next run. This file owns the key and the lookup; it must never time a step itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import zlib
+
+from rackserve.sim.hardware import Hardware
+
+SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "calibration")
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "rackserve", "sim")
+DECODE_BATCHES, DECODE_CONTEXTS = "1,4,16", (256, 2048)
+PREFILL_BATCHES, PREFILL_TOKENS = "1,4", 256
+FORWARD_SECONDS = 1.0       # timed per point: medians of 5-40 steps
+
+
+def processor() -> str:
+    """The CPU's model name and logical CPU count (what bench forward's threads default to)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x{os.cpu_count()}"
+
+
+def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
+    """What a calibration must have been measured with to price `rackserve serve --model MODEL`'s
+    steps on this machine (`quantization`: gguf or none; None: serve's auto)."""
+    from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
+    if quantization not in (None, "auto", "gguf", "none"):
+        raise ValueError(f"--quantization {quantization} on cpu: rackserve serve runs gguf or none here")
+    path = resolve_model_path(model)
+    quant = resolve_quantization(quantization or "auto", path)
+    return {"processor": processor(), "model": model, "dtype": resolve_dtype("auto", "cpu")[0], "quantization": quant}
+
+
+def find(key: dict[str, str], directories: list[str]) -> str | None:
+    """The first saved calibration whose key is `key`."""
+    for directory in directories:
+        if not os.path.isdir(directory):
+            continue
+        for name in sorted(os.listdir(directory)):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                with open(path) as f:
+                    if json.load(f).get("key") == key:
+                        return path
+            except (OSError, ValueError):
+                continue    # a file being written by another run, or not a calibration
+    return None
+
+
+def _bench_forward(key: dict[str, str], out: str, mode: str, max_model_len: int) -> None:
+    contexts = [c for c in DECODE_CONTEXTS if c < max_model_len] or [max_model_len // 2]
+    args = ["--mode", "decode", "--batch-sizes", DECODE_BATCHES, "--context-lens", ",".join(map(str, contexts))]
+    if mode == "prefill":
+        args = ["--mode", "prefill", "--batch-sizes", PREFILL_BATCHES, "--context-lens", "0",
+                "--new-tokens", str(PREFILL_TOKENS)]
+    cmd = [sys.executable, "-m", "rackserve.serve.cli", "bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype",
+           key["dtype"], "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
+           *args, "--output", out]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"calibrating cpu: bench forward failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+
+
+def calibrate_now(key: dict[str, str], directory: str) -> str:
+    """Measure this machine with bench forward, fit the device, save it under `directory`."""
+    from rackserve.sim.calibrate import fit_forward_results, save
+    from rackserve.sim.model_spec import load_model_spec
+    max_model_len = load_model_spec(key["model"]).max_model_len
+    print(f"rackserve sim: no cpu calibration for {key}; measuring one with bench forward (about a minute)",
+          file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"forward-{mode}.json") for mode in ("decode", "prefill")]
+        for mode, path in zip(("decode", "prefill"), paths):
+            _bench_forward(key, path, mode, max_model_len)
+        results = []
+        for path in paths:
+            with open(path) as f:
+                results.append(json.load(f))
+    hw, as_measured, measured = fit_forward_results(results, key["model"], "measured at run time by rackserve sim")
+    os.makedirs(directory, exist_ok=True)
+    safe = "".join(c if c.isalnum() else "-" for c in f"{key['model']}-{key['dtype']}-{key['quantization']}")
+    path = os.path.join(directory, f"cpu-{safe}-{zlib.crc32(key['processor'].encode()):08x}.json")
+    save(path, hw, as_measured, measured, [], ["rackserve", "sim", "--hardware", "cpu"], key)
+    print(f"rackserve sim: saved the cpu calibration to {path}", file=sys.stderr)
+    return path
+
+
+def load_cpu_device(model: str, quantization: str | None, directory: str | None) -> tuple[Hardware, dict, str]:
+    """The `cpu` device for `model` (its calibration found or measured), what the model ran as when
+    it was measured (calibrate.calibrated_spec), and the calibration's file."""
+    from rackserve.sim.calibrate import load_calibration
+    directory = directory or DEFAULT_DIR
+    key = serve_key(model, quantization)
+    path = find(key, [directory, SHIPPED_DIR]) or calibrate_now(key, directory)
+    hw, as_measured = load_calibration(path)
+    return hw, as_measured, path
+
+
+def load_device(hardware: str, model: str, quantization: str | None,
+                directory: str | None) -> tuple[Hardware, dict | None, str | None]:
+    """--hardware resolved: a device of the table, `cpu` (found or measured for `model`), or a
+    JSON file (a calibration's record of how the model ran comes with it); and the calibration file."""
+    from rackserve.sim.calibrate import load_calibration
+    from rackserve.sim.hardware import HARDWARE, load_hardware
+    if hardware == "cpu":
+        return load_cpu_device(model, quantization, directory)
+    if hardware in HARDWARE or not os.path.isfile(hardware):
+        return load_hardware(hardware), None, None
+    hw, as_measured = load_calibration(hardware)
+    return hw, (as_measured or None), hardware

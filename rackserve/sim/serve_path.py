@@ -1,0 +1,63 @@
+"""The serving path's cost on a machine where it shares the cores with the model's steps (a CPU),
+measured from a `bench serve` run of the random workload.
+
+`bench forward` times the execute path alone. A server also runs, each step, the scheduler's
+bookkeeping, the output processor and the detokenizer (engine thread), and per streamed token an
+SSE chunk through the event loop and the HTTP stack, while the benchmark client parses it; on two
+cores all of that competes with the model's threads (and the GIL with the engine thread). Under
+closed-loop lanes with no think time (the random workload), c lanes keep c sequences decoding, so
+a decode step's time is the measured ITL P50 at concurrency c. Its excess over the cost model's
+step for that batch (c sequences after the prompt and half the output) is the serving path's,
+fitted as a + b x c by least squares over the levels (both kept >= 0): `serve_step_overhead` and
+`serve_seq_overhead` of the `cpu` device. This file owns that measurement; it never runs anything.
+"""
+from __future__ import annotations
+
+import statistics
+
+from rackserve.sim.cost import CostModel, SeqWork
+from rackserve.sim.hardware import Hardware
+from rackserve.sim.model_spec import ModelSpec
+
+
+def _level(run: dict, model: CostModel) -> dict:
+    s = run["summary"]
+    c = run["concurrency"]
+    measured = [r for r in run["requests"] if r["kind"] != "warmup" and r.get("error") is None]
+    if not measured:
+        raise ValueError(f"concurrency {c}: no completed request to measure")
+    prompt = statistics.mean(r["prompt_tokens"] for r in measured)
+    output = statistics.mean(r["output_tokens"] for r in measured)
+    step = model.step([[SeqWork(1, int(prompt + output / 2), True)] * c]).seconds
+    return {"concurrency": c, "itl_p50_s": s["itl"]["p50"], "model_step_s": step,
+            "excess_s": s["itl"]["p50"] - step, "context": prompt + output / 2}
+
+
+def _fit(points: list[dict]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum (excess - a - b c)^2."""
+    xs, ys = [p["concurrency"] for p in points], [p["excess_s"] for p in points]
+    if len(set(xs)) < 2:
+        return max(0.0, ys[0]), 0.0
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    if b < 0:
+        return max(0.0, my), 0.0
+    if a < 0:   # through the origin
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+    return a, b
+
+
+def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware) -> dict:
+    """The serving path's cost a step and a streamed sequence, from a bench serve result of the
+    random workload (its levels' ITL P50 against the cost model's decode step on `hw`)."""
+    if result.get("workload") != "random":
+        raise ValueError("the serving path is measured on the random workload (lanes without think time keep "
+                         f"a known batch); got {result.get('workload')!r}")
+    model = CostModel(spec, hw)
+    points = [_level(run, model) for run in result["runs"]]
+    a, b = _fit(points)
+    for p in points:
+        p["fitted_excess_s"] = a + b * p["concurrency"]
+    return {"step_seconds": a, "seq_seconds": b, "points": points,
+            "command": result.get("command"), "load": result.get("load_average")}
