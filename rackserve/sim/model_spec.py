@@ -34,6 +34,7 @@ class AttentionKind:
     topk: int | None = None         # compressed entries kept per query (None: all)
     index_flops_per_entry: int = 0  # indexer scoring of one (query, compressed entry) pair
     index_bytes_per_entry: float = 0.0
+    index_candidates: int | None = None   # most entries the indexer scores per query (None: all)
 
     def keys(self, context: int) -> float:
         window = context if self.window is None else min(context, self.window)
@@ -48,7 +49,15 @@ class AttentionKind:
         return window + (context / self.compress if self.compress else 0.0)
 
     def index_entries(self, context: int) -> float:
-        """Indexer keys one query scores (all compressed entries) in one layer."""
+        """Indexer keys one query scores in one layer: every compressed entry, or at most the
+        candidates a bounded indexer keeps (DeepSeek-V4.1-Flash: 16K, the seeds say)."""
+        if not self.index_flops_per_entry:
+            return 0.0
+        entries = self.index_stored(context)
+        return entries if self.index_candidates is None else min(entries, self.index_candidates)
+
+    def index_stored(self, context: int) -> float:
+        """Indexer keys a sequence of `context` tokens keeps in one layer (one per compressed entry)."""
         return context / self.compress if self.index_flops_per_entry else 0.0
 
 
@@ -108,7 +117,7 @@ class ModelSpec:
     def kv_bytes(self, context: int) -> float:
         """KV bytes a sequence of `context` tokens keeps, all layers."""
         return sum(k.count * (k.stored_entries(context) * self.entry_bytes
-                              + k.index_entries(context) * k.index_bytes_per_entry) for k in self.attention)
+                              + k.index_stored(context) * k.index_bytes_per_entry) for k in self.attention)
 
     def with_precision(self, weights: str | None = None, kv: str | None = None) -> "ModelSpec":
         """--quantization / --kv-cache-dtype overrides (bf16, fp8, fp4)."""
@@ -224,7 +233,8 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
     compressors = csa * (hidden * 4 * hd + q_lora * ih * idim + hidden * ih + hidden * 4 * idim) + hca * hidden * 2 * hd
     experts, k, expert, moe_layers, mlp = _moe_counts(c, layers)
     window = c["sliding_window"]
-    kinds = tuple(k for k in (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0),
+    kinds = tuple(k for k in (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0,
+                                            c.get("index_candidates")),
                               AttentionKind(hca, window, hca_m), AttentionKind(sliding, window)) if k.count)
     spec = ModelSpec(**_common(name, c), dense_params_per_token=layers * attn + compressors + mlp, num_experts=experts,
                      experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers, kv_entry_elems=hd,
