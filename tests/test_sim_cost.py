@@ -158,3 +158,45 @@ def test_cpu_calibration_recovers_step_times_it_was_fitted_to():
     fitted = CostModel(spec, fit(spec, points, 300e9, 25e9))
     for batch, seconds in points:
         assert fitted.step([batch]).seconds == pytest.approx(seconds, rel=0.05)
+
+
+def test_serving_path_costs_a_step_and_each_streamed_sequence():
+    """The serving path's term prices sequences that stream a token, not prompt chunks that do not."""
+    import dataclasses
+    spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    cpu = load_hardware("cpu")
+    served = dataclasses.replace(cpu, serve_step_overhead=0.004, serve_seq_overhead=0.003)
+    decode, chunk = [SeqWork(1, 500)] * 4, [SeqWork(256, 0, samples=False)]
+    for batch, streamed in ((decode, 4), (chunk, 0), (decode + chunk, 4)):
+        extra = CostModel(spec, served).step([batch]).seconds - CostModel(spec, cpu).step([batch]).seconds
+        assert extra == pytest.approx(0.004 + 0.003 * streamed)
+
+
+def test_serving_path_is_measured_from_a_random_workload_run():
+    """ITL P50 at concurrency c = the model's decode step for c sequences + a + b c: the fit finds
+    a and b; an agentx run (think times: the batch is unknown) is refused."""
+    from rackserve.sim.serve_path import measure_serve_path
+    spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    cpu = load_hardware("cpu")
+    model = CostModel(spec, cpu)
+    runs = []
+    for c in (1, 2, 4, 8, 16):
+        itl = model.step([[SeqWork(1, 1024 + 64)] * c]).seconds + 0.002 + 0.0035 * c
+        requests = [{"kind": "main", "error": None, "prompt_tokens": 1024, "output_tokens": 128}] * 3
+        runs.append({"concurrency": c, "summary": {"itl": {"p50": itl}}, "requests": requests})
+    found = measure_serve_path({"workload": "random", "runs": runs}, spec, cpu)
+    assert found["step_seconds"] == pytest.approx(0.002, abs=1e-6)
+    assert found["seq_seconds"] == pytest.approx(0.0035, rel=1e-4)
+    with pytest.raises(ValueError, match="random workload"):
+        measure_serve_path({"workload": "agentx", "runs": runs}, spec, cpu)
+
+
+def test_a_bounded_indexer_stops_growing_with_context():
+    """DeepSeek-V4.1-Flash's indexer scores at most 16K candidate entries (the seeds): beyond 64K
+    tokens of context its work is flat, while its keys are still stored for every entry."""
+    spec = load_model_spec("deepseek-v4.1-flash")
+    csa = next(k for k in spec.attention if k.index_flops_per_entry)
+    assert csa.index_entries(32768) == 8192 and csa.index_entries(1 << 20) == csa.index_entries(1 << 17) == 16384
+    assert csa.index_stored(1 << 20) == (1 << 20) / 4
+    unbounded = next(k for k in load_model_spec("deepseek-v4-flash").attention if k.index_flops_per_entry)
+    assert unbounded.index_entries(1 << 20) == (1 << 20) / 4
