@@ -43,20 +43,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("measured")
     parser.add_argument("simulated")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--goal", type=float, default=0.15, help="largest error counted as a match (0.15: 15%%)")
     args = parser.parse_args(argv)
     with open(args.measured) as f, open(args.simulated) as g:
         measured, simulated = json.load(f), json.load(g)
     rows = compare(measured, simulated)
+    for r in rows:
+        r["within_goal"] = all(r[k]["error"] is not None and abs(r[k]["error"]) <= args.goal for k, _ in COMPARED)
     print(f"{'c':>3}  {'tok/s/dev meas':>14} {'sim':>8} {'err':>6}   {'P90 tok/s/user meas':>19} {'sim':>6} {'err':>6}"
-          f"   {'TTFT P50 meas':>13} {'sim':>6}   hit meas/sim")
+          f"   {'TTFT P50 meas':>13} {'sim':>6}   hit meas/sim   within {args.goal:.0%}")
     for r in rows:
         t, i, f_, h = r["throughput_per_device"], r["interactivity_p90"], r["ttft_p50"], r["hit_rate"]
         print(f"{r['concurrency']:>3}  {t['measured']:>14.1f} {t['simulated']:>8.1f} {t['error']:>+6.0%}   "
               f"{i['measured']:>19.2f} {i['simulated']:>6.2f} {i['error']:>+6.0%}   {f_['measured']:>13.3f} "
-              f"{f_['simulated']:>6.3f}   {h['measured'] or 0:.2f}/{h['simulated'] or 0:.2f}")
+              f"{f_['simulated']:>6.3f}   {h['measured'] or 0:.2f}/{h['simulated'] or 0:.2f}"
+              f"      {'yes' if r['within_goal'] else 'no'}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"measured": args.measured, "simulated": args.simulated,
+            json.dump({"measured": args.measured, "simulated": args.simulated, "goal": args.goal,
                        "simulated_command": simulated.get("command"), "rows": rows}, f, indent=1)
         print(f"wrote {args.output}")
     return 0
