@@ -6,10 +6,12 @@ bookkeeping, the output processor and the detokenizer (engine thread), and per s
 SSE chunk through the event loop and the HTTP stack, while the benchmark client parses it; on two
 cores all of that competes with the model's threads (and the GIL with the engine thread). Under
 closed-loop lanes with no think time (the random workload), c lanes keep c sequences decoding, so
-a decode step's time is the measured ITL P50 at concurrency c. Its excess over the cost model's
-step for that batch (c sequences after the prompt and half the output) is the serving path's,
-fitted as a + b x c by least squares over the levels (both kept >= 0): `serve_step_overhead` and
-`serve_seq_overhead` of the `cpu` device. This file owns that measurement; it never runs anything.
+the median gap between two streamed chunks at concurrency c is a decode step of c sequences (the
+median, not the ITL: a request's mean ITL also carries the steps other requests' prompt chunks
+lengthen, which the simulation schedules itself). Its excess over the cost model's step for that
+batch (c sequences after the prompt and half the output) is the serving path's, fitted as a + b x c
+by least squares over the levels (both kept >= 0): `serve_step_overhead` and `serve_seq_overhead`
+of the `cpu` device. This file owns that measurement; it never runs anything.
 """
 from __future__ import annotations
 
@@ -28,9 +30,13 @@ def _level(run: dict, model: CostModel) -> dict:
         raise ValueError(f"concurrency {c}: no completed request to measure")
     prompt = statistics.mean(r["prompt_tokens"] for r in measured)
     output = statistics.mean(r["output_tokens"] for r in measured)
+    gaps = [b - a for r in measured for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    if not gaps:
+        raise ValueError(f"concurrency {c}: no request streamed two chunks")
+    gap = statistics.median(gaps)
     step = model.step([[SeqWork(1, int(prompt + output / 2), True)] * c]).seconds
-    return {"concurrency": c, "itl_p50_s": s["itl"]["p50"], "model_step_s": step,
-            "excess_s": s["itl"]["p50"] - step, "context": prompt + output / 2}
+    return {"concurrency": c, "median_chunk_gap_s": gap, "itl_p50_s": s["itl"]["p50"], "model_step_s": step,
+            "excess_s": gap - step, "context": prompt + output / 2}
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
@@ -50,7 +56,7 @@ def _fit(points: list[dict]) -> tuple[float, float]:
 
 def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware) -> dict:
     """The serving path's cost a step and a streamed sequence, from a bench serve result of the
-    random workload (its levels' ITL P50 against the cost model's decode step on `hw`)."""
+    random workload (its levels' median chunk gap against the cost model's decode step on `hw`)."""
     if result.get("workload") != "random":
         raise ValueError("the serving path is measured on the random workload (lanes without think time keep "
                          f"a known batch); got {result.get('workload')!r}")
