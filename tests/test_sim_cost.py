@@ -204,3 +204,19 @@ def test_a_bounded_indexer_stops_growing_with_context():
     assert csa.index_stored(1 << 20) == (1 << 20) / 4
     unbounded = next(k for k in load_model_spec("deepseek-v4-flash").attention if k.index_flops_per_entry)
     assert unbounded.index_entries(1 << 20) == (1 << 20) / 4
+
+
+def test_packed_weights_are_dequantized_above_the_engines_row_threshold():
+    """A GGUF's packed linears are unpacked for steps of more than int4_linear's DENSE_ABOVE_ROWS
+    tokens: the cost model adds that pass over the weights there, and only there."""
+    import dataclasses
+    from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
+    from rackserve.sim.calibrate import DEQUANTIZE_ABOVE_ROWS
+    assert DEQUANTIZE_ABOVE_ROWS == DENSE_ABOVE_ROWS
+    spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    packed = dataclasses.replace(spec, dense_weight_bytes=0.75, dequantize_above_tokens=DENSE_ABOVE_ROWS)
+    cpu = load_hardware("cpu")
+    for tokens, extra in ((DENSE_ABOVE_ROWS, 0.0), (DENSE_ABOVE_ROWS + 1, 2 * 4.0 * spec.dense_params_per_token)):
+        batch = [SeqWork(tokens, 0)]
+        assert (CostModel(packed, cpu)._dense(batch).bytes
+                == pytest.approx(CostModel(spec, cpu)._dense(batch).bytes * 0.75 / 4 + extra))

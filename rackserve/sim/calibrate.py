@@ -22,12 +22,14 @@ from collections.abc import Sequence
 
 from rackserve.sim.cost import CostModel, SeqWork
 from rackserve.sim.hardware import Hardware
-from rackserve.sim.model_spec import ModelSpec, load_model_spec
+from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
 
 CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
 FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
 RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands")   # how a file was made
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# model/quant/int4_linear.py's DENSE_ABOVE_ROWS (not imported: that module needs torch).
+DEQUANTIZE_ABOVE_ROWS = 128
 
 
 def load_calibration(path: str = CPU_CALIBRATION) -> tuple[Hardware, dict]:
@@ -52,7 +54,8 @@ def calibrated_spec(spec: ModelSpec, as_measured: dict) -> ModelSpec:
     """`spec` as the calibration's steps ran it (precision, packed weights)."""
     precision = as_measured.get("weight_precision", "fp32")
     spec = spec.with_precision(precision, as_measured.get("kv_precision", precision))
-    return dataclasses.replace(spec, dense_weight_bytes=as_measured.get("weight_bytes_per_param"))
+    return dataclasses.replace(spec, dense_weight_bytes=as_measured.get("weight_bytes_per_param"),
+                               dequantize_above_tokens=as_measured.get("dequantize_above_tokens"))
 
 
 def _as_measured(spec: ModelSpec, result: dict) -> dict:
@@ -61,7 +64,9 @@ def _as_measured(spec: ModelSpec, result: dict) -> dict:
     setting = result["settings"]["A"]
     precision = _DTYPES.get(setting["dtype"], "fp32")
     per_param = setting["cost"]["weight_bytes"] / (spec.dense_params_per_token + spec.lm_head_params)
-    return {"weight_precision": precision, "kv_precision": precision, "weight_bytes_per_param": per_param}
+    packed = per_param < 0.9 * PRECISION_BYTES[precision]
+    return {"weight_precision": precision, "kv_precision": precision, "weight_bytes_per_param": per_param,
+            "dequantize_above_tokens": DEQUANTIZE_ABOVE_ROWS if packed else None}
 
 
 def forward_points(result: dict, side: str = "A") -> list[tuple[list[SeqWork], float]]:

@@ -101,7 +101,11 @@ class CostModel:
         wbytes = s.weight_bytes
         params = s.dense_params_per_token + (s.lm_head_params if sampled else 0)
         flops = 2 * s.dense_params_per_token * tokens + 2 * s.lm_head_params * sampled
-        return self._time(OpCost(flops / tp, params * wbytes / tp), "gemm_flops", s.weight_precision)
+        nbytes = params * wbytes
+        if s.dequantize_above_tokens is not None and tokens > s.dequantize_above_tokens:
+            # Each packed linear is unpacked into a dense copy (written), which the GEMM then reads.
+            nbytes += 2 * s.dense_params_per_token * PRECISION_BYTES[s.weight_precision]
+        return self._time(OpCost(flops / tp, nbytes / tp), "gemm_flops", s.weight_precision)
 
     def _attention(self, batch: list[SeqWork]) -> OpCost:
         s, tp = self.spec, self.shape.tensor_parallel_size

@@ -86,6 +86,9 @@ class ModelSpec:
     # Bytes per dense and LM head parameter when not the weight precision's: a GGUF whose linears
     # stay packed (Q4_1 and a Q8_0 embedding), as a `cpu` calibration measured them.
     dense_weight_bytes: float | None = None
+    # Packed weights (a GGUF's) are dequantized to the compute dtype for a step of more tokens than
+    # this, then multiplied densely (model/quant/int4_linear.py's DENSE_ABOVE_ROWS); None: never.
+    dequantize_above_tokens: int | None = None
 
     @property
     def total_params(self) -> int:
@@ -126,7 +129,8 @@ class ModelSpec:
                 raise ValueError(f"unknown precision {p!r}; choose one of {sorted(PRECISION_BYTES)}")
         spec = self
         if weights:
-            spec = replace(spec, weight_precision=weights, expert_precision=weights, dense_weight_bytes=None)
+            spec = replace(spec, weight_precision=weights, expert_precision=weights, dense_weight_bytes=None,
+                           dequantize_above_tokens=None)
         if kv:
             scale = PRECISION_BYTES[kv] / PRECISION_BYTES[spec.kv_precision]
             spec = replace(spec, kv_precision=kv,
