@@ -75,9 +75,9 @@ def _bench_forward(key: dict[str, str], out: str, mode: str, max_model_len: int)
     if mode == "prefill":
         args = ["--mode", "prefill", "--batch-sizes", PREFILL_BATCHES, "--context-lens", "0",
                 "--new-tokens", str(PREFILL_TOKENS)]
-    cmd = [sys.executable, "-m", "rackserve.serve.cli", "bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype",
-           key["dtype"], "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
-           *args, "--output", out]
+    cmd = [sys.executable, "-m", "rackserve.serve.cli", "bench", "forward", "--model", key["model"], "--device", "cpu",
+           "--dtype", key["dtype"], "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS),
+           "--warmup-steps", "2", *args, "--output", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise ValueError(f"calibrating cpu: bench forward failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")

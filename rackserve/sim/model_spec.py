@@ -51,8 +51,6 @@ class AttentionKind:
     def index_entries(self, context: int) -> float:
         """Indexer keys one query scores in one layer: every compressed entry, or at most the
         candidates a bounded indexer keeps (DeepSeek-V4.1-Flash: 16K, the seeds say)."""
-        if not self.index_flops_per_entry:
-            return 0.0
         entries = self.index_stored(context)
         return entries if self.index_candidates is None else min(entries, self.index_candidates)
 
