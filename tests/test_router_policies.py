@@ -102,6 +102,6 @@ def test_the_router_hashes_a_cache_salt_as_the_instances_do():
     a, b = WorkerKey("http://a", 0), WorkerKey("http://b", 0)
     router.index.apply(a, BlockStored(block_hashes(tokens, 4, salt="tenant"), None, tokens, 4))
     router.index.apply(b, BlockStored(block_hashes(tokens, 4), None, tokens, 4))
-    assert router.route(tokens, cache_salt="tenant") == (a, 4)
-    assert router.route(tokens) == (b, 4)
+    assert router.route(tokens, cache_salt="tenant") == (a, 4, 4)
+    assert router.route(tokens) == (b, 4, 4)
     assert router.route(tokens, exclude={"http://a", "http://b"}) is None

@@ -42,6 +42,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-blocks", type=int, default=200_000, help="blocks in the index, overhead part")
     parser.add_argument("--output", default=None, help="write the results JSON here")
     parser.add_argument("--health-interval", type=float, default=1.0)
+    parser.add_argument("--overlap-weight", default="1.0",
+                        help="kv policy's overlap weight; comma-separated for one kv run per weight (kv@W)")
+    parser.add_argument("--router-args", default="", help="more `rackserve router` flags, as one string")
 
 
 def _cli(*args: str) -> list[str]:
@@ -60,21 +63,22 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def _router(urls: list[str], policy: str, interval: float) -> tuple[subprocess.Popen, str]:
+def _router(urls: list[str], interval: float, *flags: str) -> tuple[subprocess.Popen, str]:
     from rackserve.distributed.parallel_state import free_port
     port = free_port()
-    proc = subprocess.Popen(_cli("router", "--port", str(port), "--policy", policy, "--health-interval",
-                                 str(interval), *[a for u in urls for a in ("--worker", u)]))
+    proc = subprocess.Popen(_cli("router", "--port", str(port), "--health-interval", str(interval), *flags, *[a for u in urls for a in ("--worker", u)]))
     url = f"http://127.0.0.1:{port}"
     _wait(url, proc)
     return proc, url
 
 
 def _routed(url: str) -> dict[str, dict[str, float]]:
-    """Per instance: requests, prompt tokens, predicted and actual cached tokens (router /metrics)."""
+    """Per instance: requests, prompt tokens, predicted and actual cached tokens, and the most any
+worker had cached for the requests routed there (router /metrics)."""
     out: dict[str, dict[str, float]] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        for name in ("requests", "prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens"):
+        for name in ("requests", "prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens",
+                     "best_cached_tokens"):
             if line.startswith(f"rackserve_router:{name}_total{{"):
                 instance = line.split('instance="')[1].split('"')[0]
                 per = out.setdefault(instance, {})
@@ -82,19 +86,33 @@ def _routed(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def policy_runs(policies: str, overlap_weights: str) -> list[tuple[str, list[str]]]:
+    """(label, router flags) per run: each policy once, kv once per overlap weight (kv@W when
+    there are several)."""
+    weights = overlap_weights.split(",")
+    runs = []
+    for policy in policies.split(","):
+        if policy != "kv":
+            runs.append((policy, ["--policy", policy]))
+            continue
+        for w in weights:
+            runs.append((f"kv@{w}" if len(weights) > 1 else "kv", ["--policy", "kv", "--overlap-weight", w]))
+    return runs
+
+
 def run_policies(args: argparse.Namespace, urls: list[str], tokenizer: str) -> list[dict]:
     runs = []
-    for policy in args.policies.split(","):
-        proc, url = _router(urls, policy, args.health_interval)
+    for label, flags in policy_runs(args.policies, args.overlap_weight):
+        proc, url = _router(urls, args.health_interval, *flags, *args.router_args.split())
         try:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = _cli("bench", "serve", "--base-url", url, "--concurrency", str(args.concurrency),
                            "--duration", str(args.duration), "--devices", str(args.instances), "--tokenizer",
-                           tokenizer, "--no-progress", "--label", policy, "--output", out.name,
+                           tokenizer, "--no-progress", "--label", label, "--output", out.name,
                            *args.bench_args.split())
                 subprocess.run(cmd, check=False)
                 summary = json.loads(Path(out.name).read_text())["runs"][0]["summary"]
-            runs.append({"policy": policy, "summary": summary, "routed": _routed(url)})
+            runs.append({"policy": label, "router_flags": flags, "summary": summary, "routed": _routed(url)})
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -175,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         info = httpx.get(f"{urls[0]}/kv_events").json()
         model = info["served_model_name"]
         runs = run_policies(args, urls, info["tokenizer"])
-        proc, router_url = _router(urls, "kv", args.health_interval)
+        proc, router_url = _router(urls, args.health_interval, "--policy", "kv", *args.router_args.split())
         try:
             latency = added_latency(urls[0], router_url, model, args.latency_requests)
         finally:
@@ -195,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict) -> None:
-    base = next((r["summary"] for r in result["policies"] if r["policy"] == "kv"), None)
-    print(f"{'policy':<12} {'hit rate':>9} {'TTFT P50':>9} {'TTFT P90':>9} {'tok/s/dev':>10} {'P90 tok/s/user':>15}  kv ratio (TTFT P90, tput)")
+    base = next((r["summary"] for r in result["policies"] if r["policy"].startswith("kv")), None)
+    print(f"{'policy':<12} {'hit rate':>9} {'TTFT P50':>9} {'TTFT P90':>9} {'tok/s/dev':>10} {'P90 tok/s/user':>15}  first kv's ratio (TTFT P90, tput)")
     for run in result["policies"]:
         s = run["summary"]
         ratio = ""

@@ -24,6 +24,13 @@ def add_router_policy_args(parser: argparse.ArgumentParser, flag: str = "--polic
                         help="kv policy: 0 takes the lowest cost; > 0 samples, softmax over -cost/T")
 
 
+def add_pd_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pd-threshold-tokens", type=int, default=256,
+                        help="with P/D pools: prefill on a prefill worker only when at least this many prompt "
+                             "tokens are not cached on the chosen decode worker, else run the request there "
+                             "whole (llm-d's prefix-disaggregation decider, its nonCachedTokens)")
+
+
 def add_health_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=float, default=5.0,
@@ -33,8 +40,13 @@ def add_health_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker", action="append", default=[], required=True, metavar="URL",
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="an instance's base URL (rackserve serve), repeatable")
+    parser.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
+                        help="a prefill instance (a kv_producer KV connector), repeatable; needs --decode-worker")
+    parser.add_argument("--decode-worker", action="append", default=[], metavar="URL",
+                        help="a decode instance (a kv_consumer KV connector), repeatable; needs --prefill-worker")
+    add_pd_args(parser)
     add_router_policy_args(parser)
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer path (default: the one the first instance reports at /kv_events)")
@@ -52,7 +64,8 @@ def policy_options(args: argparse.Namespace, policy: str) -> dict:
 
 
 async def serve_router(args: argparse.Namespace, workers: list[str], policy: str,
-                       started: "asyncio.Event | None" = None) -> None:
+                       started: "asyncio.Event | None" = None, prefill: list[str] = (),
+                       decode: list[str] = ()) -> None:
     """Runs the router on args.host:args.port until the server is told to stop."""
     import uvicorn
 
@@ -61,7 +74,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     from rackserve.router.server import RouterFront, build_router_app
 
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
-                    args.health_timeout, args.worker_api_key)
+                    args.health_timeout, args.worker_api_key, prefill, decode, args.pd_threshold_tokens)
     front = RouterFront(router, args.tokenizer)
     try:
         await front.start()
@@ -71,7 +84,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            print(f"rackserve router: {policy} routing over {len(router.healthy)}/{len(workers)} instances "
+            print(f"rackserve router: {policy} routing over {len(router.healthy)}/{len(router.instances)} instances "
                   f"at http://{args.host}:{args.port}/v1 (metrics at /metrics)", flush=True)
             if started is not None:
                 started.set()
@@ -82,8 +95,15 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
 
 @register_subcommand("router", "route OpenAI requests over instances by their KV caches", _add_args)
 def _router(args: argparse.Namespace) -> int:
+    if bool(args.prefill_worker) != bool(args.decode_worker):
+        print("rackserve router: --prefill-worker and --decode-worker come together", file=sys.stderr)
+        return 2
+    if not (args.worker or args.prefill_worker):
+        print("rackserve router: give at least one --worker (or --prefill-worker and --decode-worker)",
+              file=sys.stderr)
+        return 2
     try:
-        asyncio.run(serve_router(args, args.worker, args.policy))
+        asyncio.run(serve_router(args, args.worker, args.policy, None, args.prefill_worker, args.decode_worker))
     except RuntimeError as e:
         print(f"rackserve router: {e}", file=sys.stderr)
         return 1

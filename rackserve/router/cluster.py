@@ -21,7 +21,7 @@ import time
 import httpx
 
 from rackserve.config import EngineArgs
-from rackserve.router.cli import add_health_args, add_router_policy_args, serve_router
+from rackserve.router.cli import add_health_args, add_pd_args, add_router_policy_args, serve_router
 from rackserve.serve.cli import register_subcommand
 
 STARTUP_TIMEOUT_S = 600.0
@@ -31,6 +31,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--instances", type=int, default=2, help="instances to start on this machine")
     add_router_policy_args(parser, "--router-policy")
+    add_pd_args(parser)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads to split evenly among the instances")
     add_health_args(parser)

@@ -23,20 +23,28 @@ class RouterMetrics:
         self.predicted_cached = Counter(PREFIX + "predicted_cached_tokens",
                                         "Prompt tokens the policy expected cached where it routed.",
                                         ["instance"], registry=r)
+        self.best_cached = Counter(PREFIX + "best_cached_tokens",
+                                   "Prompt tokens cached on the worker that held the most of the prompt, "
+                                   "at decision time: what the policy gave up for load is this minus predicted.",
+                                   ["instance"], registry=r)
         self.actual_cached = Counter(PREFIX + "actual_cached_tokens",
                                      "Prompt tokens the instance reported cached (usage).", ["instance"], registry=r)
         self.events_received = Counter(PREFIX + "kv_event_batches_received", "KV event batches applied.",
                                        ["instance"], registry=r)
         self.events_dropped = Counter(PREFIX + "kv_event_batches_dropped", "KV event batches missed.",
                                       ["instance"], registry=r)
+        self.pd_decisions = Counter(PREFIX + "pd_decisions", "P/D pools: requests run whole on a decode worker "
+                                    "(local) or prefilled on a prefill worker first (remote_prefill).",
+                                    ["decision"], registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests sent again to another instance.", registry=r)
         self.index_blocks = Gauge(PREFIX + "index_blocks", "Blocks in the KV index, all workers.", registry=r)
         self.healthy_instances = Gauge(PREFIX + "healthy_instances", "Instances in the pool.", registry=r)
 
-    def routed(self, url: str, dp_rank: int, prompt_tokens: int, predicted_cached: int) -> None:
+    def routed(self, url: str, dp_rank: int, prompt_tokens: int, predicted_cached: int, best_cached: int) -> None:
         self.requests.labels(url, str(dp_rank), self.policy).inc()
         self.prompt_tokens.labels(url).inc(prompt_tokens)
         self.predicted_cached.labels(url).inc(predicted_cached)
+        self.best_cached.labels(url).inc(best_cached)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ router's predicted loads.
   p ~ exp(-normalised cost / T) instead.
 - prefix, SGLang's cache-aware rule over an approximate per-worker LRU of the blocks routed there.
 - least_load (fewest active requests) and round_robin: the baselines `kv` is measured against.
+- DecodeLoadPolicy (no --policy name): how the router picks decode workers when it has P/D pools.
 
 This file never talks to an instance and never changes the index or the loads.
 """
@@ -155,3 +156,19 @@ class RoundRobinPolicy(RoutingPolicy):
         worker = workers[self.next % len(workers)]
         self.next += 1
         return Decision(worker, index.overlaps(hashes).get(worker, 0))
+
+
+class DecodeLoadPolicy(RoutingPolicy):
+    """Decode workers by load: fewest active KV blocks, then fewest requests; ties go to the
+    worker that caches more of the prompt (less to pull or recompute), then at random."""
+    name = "decode_load"
+
+    def choose(self, hashes, workers, index, loads):
+        overlaps = index.overlaps(hashes)
+
+        def key(w):
+            load = loads.get(w)
+            return load.active_blocks, load.active_requests, -overlaps.get(w, 0)
+        best = min(key(w) for w in workers)
+        worker = self.rng.choice([w for w in workers if key(w) == best])
+        return Decision(worker, overlaps.get(worker, 0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import aiohttp
@@ -23,14 +24,24 @@ from rackserve.router.events import KVEventSubscriber
 from rackserve.router.index import KVIndex, WorkerKey
 from rackserve.router.load import ActiveLoads
 from rackserve.router.metrics import RouterMetrics
-from rackserve.router.policies import Decision, RoutingPolicy
+from rackserve.router.policies import DecodeLoadPolicy, RoutingPolicy
 
 logger = logging.getLogger(__name__)
+
+# What an instance is for: whole requests (a plain --worker), or one side of the P/D flow.
+BOTH, PREFILL, DECODE = "both", "prefill", "decode"
+
+
+class Route(NamedTuple):
+    worker: WorkerKey
+    overlap_blocks: int          # of the prompt's blocks, those the policy expects cached there
+    best_overlap_blocks: int     # the most any candidate worker caches (what load may cost)
 
 
 @dataclass
 class Instance:
     url: str
+    role: str = BOTH
     info: dict = field(default_factory=dict)          # its GET /kv_events
     healthy: bool = False
     subscribers: list[KVEventSubscriber] = field(default_factory=list)
@@ -45,11 +56,19 @@ class Instance:
 
 class Router:
     def __init__(self, urls: list[str], policy: RoutingPolicy, health_interval_s: float = 1.0,
-                 health_timeout_s: float = 5.0, worker_api_key: str | None = None) -> None:
-        assert urls, "a router needs at least one instance"
-        self.instances = {url.rstrip("/"): Instance(url.rstrip("/")) for url in urls}
+                 health_timeout_s: float = 5.0, worker_api_key: str | None = None,
+                 prefill_urls: list[str] = (), decode_urls: list[str] = (), pd_threshold_tokens: int = 256) -> None:
+        roles = [(u, BOTH) for u in urls] + [(u, PREFILL) for u in prefill_urls] + [(u, DECODE) for u in decode_urls]
+        assert roles, "a router needs at least one instance"
+        assert bool(prefill_urls) == bool(decode_urls), "prefill and decode pools come together"
+        self.instances = {url.rstrip("/"): Instance(url.rstrip("/"), role) for url, role in roles}
+        assert len(self.instances) == len(roles), "an instance is listed twice"
         self.policy = policy
         self.index = KVIndex()
+        # With P/D pools: decode workers are picked by load, and a request is disaggregated only
+        # when at least this many of its prompt tokens are not cached on its decode worker.
+        self.decode_policy = DecodeLoadPolicy(seed=None)
+        self.pd_threshold_tokens = pd_threshold_tokens
         self.loads = ActiveLoads()
         self.metrics = RouterMetrics(policy.name)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
@@ -77,15 +96,29 @@ class Router:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.healthy]
 
-    def route(self, token_ids: list[int], exclude: set[str] = frozenset(),
-              cache_salt: str | None = None) -> Decision | None:
-        """The policy's pick among healthy workers of instances not in `exclude`; None if none.
-        A request's cache salt enters its first block's hash, as on the instances."""
-        workers = [w for i in self.healthy if i.url not in exclude for w in i.workers]
+    @property
+    def disaggregated(self) -> bool:
+        return any(i.role != BOTH for i in self.instances.values())
+
+    def workers(self, roles: tuple[str, ...] = (BOTH,), exclude: set[str] = frozenset()) -> list[WorkerKey]:
+        """Workers of healthy instances with one of `roles`, not in `exclude`."""
+        return [w for i in self.healthy if i.role in roles and i.url not in exclude for w in i.workers]
+
+    def hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
+        """The prompt's full blocks hashed as the instances hash them (the salt enters the first)."""
+        return block_hashes(token_ids, self.block_size, salt=cache_salt) if self.block_size else []
+
+    def route(self, token_ids: list[int], exclude: set[str] = frozenset(), cache_salt: str | None = None,
+              roles: tuple[str, ...] = (BOTH,), policy: RoutingPolicy | None = None) -> Route | None:
+        """The policy's pick among healthy workers with one of `roles`, of instances not in
+        `exclude`; None if none."""
+        workers = self.workers(roles, exclude)
         if not workers:
             return None
-        hashes = block_hashes(token_ids, self.block_size, salt=cache_salt) if self.block_size else []
-        return self.policy.choose(hashes, workers, self.index, self.loads)
+        hashes = self.hashes(token_ids, cache_salt)
+        worker, overlap = (policy or self.policy).choose(hashes, workers, self.index, self.loads)
+        overlaps = self.index.overlaps(hashes)
+        return Route(worker, overlap, max((overlaps.get(w, 0) for w in workers), default=0))
 
     async def leave(self, instance: Instance, reason: str) -> None:
         if not instance.healthy:

@@ -21,8 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
-from rackserve.router.router import Instance, Router
 from rackserve.router.body import parse_body, prompt_chars
+from rackserve.router.disagg import forward_disaggregated
+from rackserve.router.policies import RoutingPolicy
+from rackserve.router.router import BOTH, Instance, Route, Router
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
@@ -65,12 +67,23 @@ class RouterFront:
         except OpenAIError as e:
             return _error(e)
         token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, body)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        if self.router.disaggregated:
+            return await forward_disaggregated(self, path, body, token_ids, salt)
+        return await self.attempt(path, body, token_ids, salt)
+
+    async def attempt(self, path: str, body: dict, token_ids: list[int], salt: str | None,
+                      roles: tuple[str, ...] = (BOTH,), policy: RoutingPolicy | None = None,
+                      first: Route | None = None) -> Response:
+        """The answer of the first worker (with one of `roles`, picked by `policy`, `first` if
+        given) that takes the request: one that fails before its first token is left for the next
+        best; the last refusal, or a 503, when none is left."""
         num_blocks = len(token_ids) // self.router.block_size if self.router.block_size else 0
         tried: set[str] = set()
         last_error: Response | None = None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         while True:
-            decision = self.router.route(token_ids, tried, salt)
+            decision = first or self.router.route(token_ids, tried, salt, roles, policy)
+            first = None
             if decision is None:
                 return last_error or _error(OpenAIError("no instance is available", 503, type="server_error"))
             if tried:
@@ -79,8 +92,9 @@ class RouterFront:
             tried.add(worker.url)
             request_id = uuid.uuid4().hex
             self.router.loads.add(request_id, worker, max(num_blocks, 1), num_blocks - decision.overlap_blocks)
+            block_size = self.router.block_size or 0
             self.router.metrics.routed(worker.url, worker.dp_rank, len(token_ids),
-                                       decision.overlap_blocks * (self.router.block_size or 0))
+                                       decision.overlap_blocks * block_size, decision.best_overlap_blocks * block_size)
             instance = self.router.instances[worker.url]
             try:
                 response = await _unless_gone(instance, self._send(

@@ -1,0 +1,124 @@
+"""The router with prefill and decode pools, end to end: two prefill servers and one decode
+server (real processes, MooncakeConnector over TCP, KV events on), a real `rackserve router
+--prefill-worker ... --decode-worker ...` in front, the official `openai` client. Greedy tokens
+equal one instance's, streamed or not; a prompt whose uncached part is under
+--pd-threshold-tokens runs whole on the decoder (no prefiller sees it); a dead prefiller is
+routed around. (The last test kills a prefiller: it runs last.)"""
+from __future__ import annotations
+
+import json
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from rackserve.distributed.parallel_state import free_port
+from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server
+from tests.tiny_models import build_tiny_model
+from tests.tokenizer_utils import save_test_tokenizer
+
+MODEL, VOCAB, BS, THRESHOLD = "tiny", 512, 4, 40
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def _flags(role: str) -> list[str]:
+    kv = {"kv_connector": "MooncakeConnector", "kv_role": role,
+          "kv_connector_extra_config": {"lease_seconds": 10.0, "transfer_timeout": 5.0}}
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
+              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+    return ["--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events)]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("router_pd")
+    model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=512)
+    save_test_tokenizer(str(root / "tok"), VOCAB)
+    base = ["--model", model, "--tokenizer", str(root / "tok"), "--served-model-name", MODEL, "--device", "cpu",
+            "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", str(BS)]
+    roles = ["kv_producer", "kv_producer", "kv_consumer"]
+    procs = []
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            started = list(pool.map(lambda i: start_server(base + _flags(roles[i]), root / f"instance{i}.log"),
+                                    range(3)))
+        procs = [p for p, _ in started]
+        (_, p0), (_, p1), (_, d) = started
+        router, url = start_command(["router", "--prefill-worker", p0, "--prefill-worker", p1, "--decode-worker", d,
+                                     "--pd-threshold-tokens", str(THRESHOLD), "--health-interval", "0.3",
+                                     "--health-timeout", "1"], root / "router.log", timeout=60)
+        procs.append(router)
+        yield {"prefill": [p0, p1], "decode": d, "router": url, "procs": procs}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            finally:
+                proc.kill()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _decisions(url: str) -> dict[str, float]:
+    return {d: scrape_metrics(url).get(f'rackserve_router:pd_decisions_total{{decision="{d}"}}', 0.0)
+            for d in ("local", "remote_prefill")}
+
+
+def _served(url: str) -> float:
+    return metric_totals(url).get("rackserve:request_success_total", 0.0)
+
+
+LONG = "Disaggregation moves the prompt's keys and values from one instance to another " * 3
+
+
+def test_long_prompts_disaggregate_and_answer_like_one_instance(pd):
+    before, decoded = _decisions(pd["router"]), metric_totals(pd["decode"])
+    via, direct = _client(pd["router"]), _client(pd["prefill"][0])
+    got = via.completions.create(model=MODEL, prompt=LONG, max_tokens=8, n=2, logprobs=1, **GREEDY)
+    want = direct.completions.create(model=MODEL, prompt=LONG, max_tokens=8, n=2, logprobs=1, **GREEDY)
+    assert [c.logprobs.tokens for c in got.choices] == [c.logprobs.tokens for c in want.choices]
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens > THRESHOLD   # usage: the whole request
+    assert got.usage.completion_tokens == 16
+    messages = [{"role": "user", "content": LONG + "Tell me more."}]
+    chunks = list(via.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    want = direct.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
+    after = _decisions(pd["router"])
+    assert after["remote_prefill"] - before["remote_prefill"] == 2 and after["local"] == before["local"]
+    # The decoder pulled the prompts' KV instead of computing it.
+    assert metric_totals(pd["decode"])["rackserve:kv_transfer_blocks_total"] > decoded.get(
+        "rackserve:kv_transfer_blocks_total", 0)
+
+
+def test_short_prompts_stay_on_the_decoder(pd):
+    before, prefilled = _decisions(pd["router"]), [_served(u) for u in pd["prefill"]]
+    for prompt in ("hi", "a short one"):
+        got = _client(pd["router"]).completions.create(model=MODEL, prompt=prompt, max_tokens=6, **GREEDY)
+        want = _client(pd["prefill"][0]).completions.create(model=MODEL, prompt=prompt, max_tokens=6, **GREEDY)
+        assert got.choices[0].text == want.choices[0].text
+        prefilled[0] += 1   # the reference call above
+    after = _decisions(pd["router"])
+    assert after["local"] - before["local"] == 2 and after["remote_prefill"] == before["remote_prefill"]
+    assert [_served(u) for u in pd["prefill"]] == prefilled
+
+
+def test_a_dead_prefiller_is_routed_around(pd):
+    pd["procs"][0].send_signal(signal.SIGKILL)
+    pd["procs"][0].wait(timeout=30)
+    before = _decisions(pd["router"])
+    live = pd["prefill"][1]
+    prompts = [f"{i}: " + LONG for i in range(4)]
+    got = [_client(pd["router"]).completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+           for p in prompts]
+    want = [_client(live).completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+            for p in prompts]
+    assert got == want
+    # Every one was still disaggregated, on the prefiller that is left.
+    assert _decisions(pd["router"])["remote_prefill"] - before["remote_prefill"] == 4
