@@ -183,8 +183,9 @@ def added_latency(direct: str, router: str, model: str, n: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     from rackserve.bench.limits import processor_name
     from rackserve.router.cluster import start_instances, stop_instances, stop_on_sigterm, wait_healthy
+    from rackserve.router import BOTH
     stop_on_sigterm()
-    procs, urls = start_instances(args)
+    procs, urls = start_instances(args, [BOTH] * args.instances)
     try:
         failure = wait_healthy(procs, urls)
         if failure:

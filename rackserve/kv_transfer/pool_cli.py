@@ -34,7 +34,7 @@ def master_command(port: int, metrics_port: int, eviction_high_watermark: float)
             f"--eviction_high_watermark_ratio={eviction_high_watermark}"]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the master's process before exec: SIGTERM it when this command dies, even by SIGKILL,
     so a pool master never outlives the command that started it (Linux; elsewhere a no-op)."""
     try:
@@ -62,7 +62,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
                      _add_args)
 def _kv_pool(args: argparse.Namespace) -> int:
     command = master_command(args.port, args.metrics_port or _free_port(), args.eviction_high_watermark)
-    proc = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(command, preexec_fn=die_with_parent)
     address = f"{args.host}:{args.port}"
     print(json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"master_server_address": address}}), flush=True)

@@ -1,8 +1,11 @@
 """`rackserve cluster`: one command for a cluster on this machine: N `rackserve serve` instances
 (the CPU threads split among them, each publishing KV events on its own free ports) and the
-router in front, behind one URL. Ctrl-C stops everything; so does an instance that dies (the
-command then exits 1). Beyond one machine, start `rackserve serve` on each and point
-`rackserve router --worker URL ...` at them.
+router in front, behind one URL. `--prefill P --decode D` adds P prefill and D decode instances
+(MooncakeConnector as kv_producer / kv_consumer) behind the router's P/D pools; `--kv-pool`
+starts `rackserve kv-pool`'s Mooncake master and gives every instance MooncakeStoreConnector
+(inside a MultiConnector, after the P2P one, on P/D instances). Ctrl-C stops everything; so does
+an instance that dies (the command then exits 1). Beyond one machine, start `rackserve serve` on
+each and point `rackserve router --worker URL ...` at them.
 
 This file owns the children's lives and their flags; it never routes (router/ does).
 """
@@ -14,6 +17,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +25,7 @@ import time
 import httpx
 
 from rackserve.config import EngineArgs
+from rackserve.router import BOTH, DECODE, PREFILL
 from rackserve.router.cli import add_health_args, add_pd_args, add_router_policy_args, serve_router
 from rackserve.serve.cli import register_subcommand
 
@@ -29,7 +34,15 @@ STARTUP_TIMEOUT_S = 600.0
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--instances", type=int, default=2, help="instances to start on this machine")
+    parser.add_argument("--instances", type=int, default=None,
+                        help="plain instances (whole requests) to start on this machine (default 2, or 0 with "
+                             "--prefill/--decode)")
+    parser.add_argument("--prefill", type=int, default=0, help="prefill instances (MooncakeConnector kv_producer)")
+    parser.add_argument("--decode", type=int, default=0, help="decode instances (MooncakeConnector kv_consumer)")
+    parser.add_argument("--kv-pool", action="store_true",
+                        help="start a Mooncake KV pool master; every instance stores to and loads from it")
+    parser.add_argument("--kv-pool-segment-bytes", type=int, default=256 << 20,
+                        help="bytes each instance lends the KV pool (MooncakeStoreConnector's global_segment_size)")
     add_router_policy_args(parser, "--router-policy")
     add_pd_args(parser)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -46,7 +59,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
-        if value == f.default or f.name == "kv_events_config":
+        if value == f.default or f.name in ("kv_events_config", "kv_transfer_config"):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -56,19 +69,45 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def start_instances(args: argparse.Namespace) -> tuple[list[subprocess.Popen], list[str]]:
+def instance_roles(args: argparse.Namespace) -> list[str]:
+    """Each instance's role (router.BOTH, PREFILL or DECODE), in start order."""
+    plain = args.instances if args.instances is not None else (0 if args.prefill or args.decode else 2)
+    return [BOTH] * plain + [PREFILL] * args.prefill + [DECODE] * args.decode
+
+
+def kv_transfer_config(args: argparse.Namespace, role: str, pool_address: str | None) -> dict | None:
+    """The --kv-transfer-config an instance of `role` gets: P2P for P/D, the pool's store with
+    --kv-pool, both in a MultiConnector when both apply; the user's own one otherwise."""
+    store = pool_address and {"kv_connector": "MooncakeStoreConnector", "kv_connector_extra_config": {
+        "master_server_address": pool_address, "global_segment_size": args.kv_pool_segment_bytes}}
+    if role == BOTH:
+        return {**store, "kv_role": "kv_both"} if store else args.kv_transfer_config
+    kv_role = "kv_producer" if role == PREFILL else "kv_consumer"
+    if not store:
+        return {"kv_connector": "MooncakeConnector", "kv_role": kv_role}
+    return {"kv_connector": "MultiConnector", "kv_role": kv_role,
+            "kv_connector_extra_config": {"connectors": [{"kv_connector": "MooncakeConnector"}, store]}}
+
+
+def start_instances(args: argparse.Namespace, roles: list[str] | None = None,
+                    pool_address: str | None = None) -> tuple[list[subprocess.Popen], list[str]]:
     from rackserve.distributed.parallel_state import free_port
-    threads = max(1, args.threads // args.instances)
+    roles = roles or instance_roles(args)
+    threads = max(1, args.threads // len(roles))
     procs, urls = [], []
-    for i in range(args.instances):
+    for i, role in enumerate(roles):
         port = free_port()
         events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
                   "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+        kv = kv_transfer_config(args, role, pool_address)
         cmd = [sys.executable, "-m", "rackserve.serve.cli", "serve", *engine_flags(args), "--port", str(port),
                "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
+        if kv is not None:
+            cmd += ["--kv-transfer-config", kv if isinstance(kv, str) else json.dumps(kv)]
         procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
         urls.append(f"http://127.0.0.1:{port}")
-        print(f"rackserve cluster: instance {i} at {urls[-1]} (pid {procs[-1].pid}, {threads} threads)", flush=True)
+        print(f"rackserve cluster: {role} instance {i} at {urls[-1]} (pid {procs[-1].pid}, {threads} threads)",
+              flush=True)
     return procs, urls
 
 
@@ -91,21 +130,49 @@ def wait_healthy(procs: list[subprocess.Popen], urls: list[str]) -> str | None:
     return None
 
 
-async def run_cluster(args: argparse.Namespace, procs: list[subprocess.Popen], urls: list[str]) -> str | None:
-    """Serves the router until it stops (None) or an instance dies (returns why)."""
-    router = asyncio.create_task(serve_router(args, urls, args.router_policy))
+async def run_cluster(args: argparse.Namespace, procs: list[subprocess.Popen], urls: list[str],
+                      roles: list[str] | None = None, master: subprocess.Popen | None = None) -> str | None:
+    """Serves the router until it stops (None) or an instance or the pool master dies (returns why)."""
+    roles = roles or [BOTH] * len(urls)
+    pool = {role: [u for u, r in zip(urls, roles) if r == role] for role in (BOTH, PREFILL, DECODE)}
+    router = asyncio.create_task(serve_router(args, pool[BOTH], args.router_policy, None, pool[PREFILL],
+                                              pool[DECODE]))
     while not router.done():
         await asyncio.wait({router}, timeout=0.5)
         dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-        if dead and not router.done():
+        why = (f"instance {dead[0]} exited with code {procs[dead[0]].returncode}" if dead else
+               f"the KV pool master exited with code {master.returncode}" if master and master.poll() is not None
+               else None)
+        if why and not router.done():
             router.cancel()
             try:
                 await router
             except asyncio.CancelledError:
                 pass
-            return f"instance {dead[0]} exited with code {procs[dead[0]].returncode}"
+            return why
     router.result()
     return None
+
+
+def start_pool_master() -> tuple[subprocess.Popen, str]:
+    """`rackserve kv-pool`'s Mooncake master on free ports (it dies with this process)."""
+    from rackserve.distributed.parallel_state import free_port
+    from rackserve.kv_transfer.pool_cli import die_with_parent, master_command
+    port = free_port()
+    proc = subprocess.Popen(master_command(port, free_port(), 0.95), preexec_fn=die_with_parent)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:   # instances that start before it listens would run without the pool
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the KV pool master did not come up (exit code {proc.poll()})")
+            time.sleep(0.1)
+    print(f"rackserve cluster: KV pool master at {address} (pid {proc.pid})", flush=True)
+    return proc, address
 
 
 def _interrupt(*_) -> None:
@@ -130,20 +197,39 @@ def stop_instances(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-@register_subcommand("cluster", "start N instances and a KV-aware router in front, behind one URL", _add_args)
+def _refusal(args: argparse.Namespace) -> str | None:
+    if min(args.instances or 0, args.prefill, args.decode) < 0:
+        return "--instances, --prefill and --decode must not be negative"
+    if bool(args.prefill) != bool(args.decode):
+        return "--prefill and --decode come together"
+    if not instance_roles(args):
+        return "no instance to start"
+    if args.kv_transfer_config and (args.prefill or args.kv_pool):
+        return "--kv-transfer-config cannot be combined with --prefill/--decode/--kv-pool (the cluster sets it)"
+    return None
+
+
+@register_subcommand("cluster", "start N instances (or P prefill + D decode) and a KV-aware router in front, "
+                                "behind one URL", _add_args)
 def _cluster(args: argparse.Namespace) -> int:
-    if args.instances < 1:
-        print("rackserve cluster: --instances must be >= 1", file=sys.stderr)
+    refusal = _refusal(args)
+    if refusal:
+        print(f"rackserve cluster: {refusal}", file=sys.stderr)
         return 2
+    roles = instance_roles(args)
     stop_on_sigterm()
-    procs, urls = start_instances(args)
-    failure = None
+    master, address, procs, failure = None, None, [], None
     try:
-        failure = wait_healthy(procs, urls) or asyncio.run(run_cluster(args, procs, urls))
+        if args.kv_pool:
+            master, address = start_pool_master()
+        procs, urls = start_instances(args, roles, address)
+        failure = wait_healthy(procs, urls) or asyncio.run(run_cluster(args, procs, urls, roles, master))
     except KeyboardInterrupt:
         pass
+    except RuntimeError as e:
+        failure = str(e)
     finally:
-        stop_instances(procs)
+        stop_instances(procs + ([master] if master else []))
     if failure:
         print(f"rackserve cluster: {failure}; stopped everything", file=sys.stderr, flush=True)
         return 1

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import Response
 
+from rackserve.router import BOTH, DECODE, PREFILL
 from rackserve.router.pd_proxy import prefill_body
-from rackserve.router.router import BOTH, DECODE, PREFILL
 
 if TYPE_CHECKING:
     from rackserve.router.server import RouterFront

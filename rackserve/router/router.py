@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from rackserve.core.hashing import block_hashes
+from rackserve.router import BOTH, DECODE, PREFILL
 from rackserve.engine.kv_events import connectable
 from rackserve.router.events import KVEventSubscriber
 from rackserve.router.index import KVIndex, WorkerKey
@@ -27,9 +28,6 @@ from rackserve.router.metrics import RouterMetrics
 from rackserve.router.policies import DecodeLoadPolicy, RoutingPolicy
 
 logger = logging.getLogger(__name__)
-
-# What an instance is for: whole requests (a plain --worker), or one side of the P/D flow.
-BOTH, PREFILL, DECODE = "both", "prefill", "decode"
 
 
 class Route(NamedTuple):

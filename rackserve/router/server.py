@@ -24,7 +24,8 @@ from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
 from rackserve.router.body import parse_body, prompt_chars
 from rackserve.router.disagg import forward_disaggregated
 from rackserve.router.policies import RoutingPolicy
-from rackserve.router.router import BOTH, Instance, Route, Router
+from rackserve.router import BOTH
+from rackserve.router.router import Instance, Route, Router
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
