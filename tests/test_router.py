@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import httpx
 import openai
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import metric_totals, start_command, start_server
+from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -138,6 +139,42 @@ def test_router_answers_like_the_instance_streaming_or_not(cluster):
         direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"data_parallel_rank": 1})
 
 
+def _comparable(answer: Any) -> Any:
+    """An answer without what differs between any two calls (id, created) or depends on which
+    instance's cache it met: cached_tokens, and logprobs past 4 decimals (float32 sums of a
+    prefix-cached prefill and a fresh one differ in the last bits)."""
+    if isinstance(answer, float):
+        return round(answer, 4)
+    if isinstance(answer, list):
+        return [_comparable(a) for a in answer]
+    if not isinstance(answer, dict):
+        return answer
+    return {k: _comparable(v) for k, v in answer.items() if k not in ("id", "created", "prompt_tokens_details")}
+
+
+def _answers(url: str, path: str, body: dict) -> list[dict]:
+    reply = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    if not body.get("stream"):
+        return [_comparable(reply.json())]
+    return [_comparable(json.loads(line[6:])) for line in reply.text.splitlines()
+            if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_forwarded_by_the_router_answer_exactly_as_the_instance_does(cluster, stream):
+    """The router sends token ids (tokenize once); every field of the answer is the direct one's."""
+    base = {"model": MODEL, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    completion = {**base, "prompt": "Paged attention splits the cache into blocks", "logprobs": 2,
+                  "return_token_ids": True}
+    chat = {**base, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}],
+            "logprobs": True, "top_logprobs": 2}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        want = _answers(cluster.instances[0][1], path, body)
+        assert _answers(cluster.url, path, body) == want, path
+
+
 def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
     """Prefixes cached before this router existed still draw their requests (replay socket)."""
     prompt = "Session late: " + "a prefix hit skips work already done " * 12
@@ -162,6 +199,40 @@ def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _busy(url: str) -> float:
+    totals = metric_totals(url)
+    return totals["rackserve:num_requests_running"] + totals["rackserve:num_requests_waiting"]
+
+
+def _aborted(url: str) -> float:
+    return sum(v for k, v in scrape_metrics(url).items()
+               if k.startswith("rackserve:request_success_total{") and 'finished_reason="abort"' in k)
+
+
+def test_a_client_that_leaves_a_whole_answer_aborts_it_on_the_instance(cluster):
+    """A non-streaming request whose client hangs up once the instance runs it: the instance
+    aborts it (counted as an abort, nothing left running or waiting), and so does the router."""
+    urls = [u for _, u in cluster.instances]
+    aborted = sum(_aborted(u) for u in urls)
+    left = metric_totals(cluster.url).get("rackserve_router:client_disconnects_total", 0.0)
+    body = json.dumps({"model": MODEL, "prompt": "a long answer", "max_tokens": 1000, "ignore_eos": True}).encode()
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not sum(_busy(u) for u in urls):
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while sum(_busy(u) for u in urls) or sum(_aborted(u) for u in urls) == aborted:
+        assert time.monotonic() < deadline, "the instance still runs the request of a client that left"
+        time.sleep(0.05)
+    assert sum(_aborted(u) for u in urls) == aborted + 1
+    assert metric_totals(cluster.url)["rackserve_router:client_disconnects_total"] == left + 1
+    assert all(i["workers"][0]["active_requests"] == 0 for i in httpx.get(f"{cluster.url}/router").json()["instances"])
 
 
 def test_an_instance_that_stops_answering_leaves_and_rejoins(cluster):

@@ -36,6 +36,8 @@ class RouterMetrics:
         self.pd_decisions = Counter(PREFIX + "pd_decisions", "P/D pools: requests run whole on a decode worker "
                                     "(local) or prefilled on a prefill worker first (remote_prefill).",
                                     ["decision"], registry=r)
+        self.client_disconnects = Counter(PREFIX + "client_disconnects", "Requests whose client left before "
+                                          "the answer; each was aborted on its instance.", registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests sent again to another instance.", registry=r)
         self.index_blocks = Gauge(PREFIX + "index_blocks", "Blocks in the KV index, all workers.", registry=r)
         self.healthy_instances = Gauge(PREFIX + "healthy_instances", "Instances in the pool.", registry=r)

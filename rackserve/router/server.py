@@ -1,9 +1,10 @@
 """`rackserve router`: an OpenAI-compatible front (chat and completions, streaming or not) that
 sends each request to the worker (instance, DP rank) its policy picks.
 
-For each request it renders the chat template and tokenizes with the instances' tokenizer,
-hashes the blocks (router.py) and forwards the body unchanged but for `data_parallel_rank`, the
-pinned DP rank. A request that got no token yet (the instance is unreachable, answers 5xx or
+For each request it renders the chat template and tokenizes with the instances' tokenizer
+(prompts.py), hashes the blocks (router.py) and forwards the body with the prompt's token ids (so
+the instance does not tokenize again) and `data_parallel_rank`, the pinned DP rank; with P/D
+pools, disagg.py orders the hops. A request that got no token yet (the instance is unreachable, answers 5xx or
 429, or leaves the pool) is retried on the next best instance; a stream that already started
 ends with an OpenAI error event and [DONE]; other instance errors (4xx) pass through as they
 are; with no instance left the client gets a 503. This file never picks a worker itself and never touches the index.
@@ -24,26 +25,13 @@ from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
 from rackserve.router.body import parse_body, prompt_chars
 from rackserve.router.disagg import forward_disaggregated
 from rackserve.router.policies import RoutingPolicy
+from rackserve.router.prompts import render
 from rackserve.router import BOTH
 from rackserve.router.router import Instance, Route, Router
-from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
-from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
+from rackserve.serve.serving_engine import SSE_DONE, OpenAIError, wait_for_disconnect
 
 logger = logging.getLogger(__name__)
-
-
-def prompt_token_ids(tokenizer: Tokenizer | None, path: str, body: dict) -> list[int]:
-    """The token ids the instance will see for this body (its first prompt); [] when the body
-    is not valid (the instance then answers with the error) or there is no tokenizer."""
-    if tokenizer is None:
-        return []
-    try:
-        if path.endswith("chat/completions"):
-            return tokenizer.apply_chat_template(ChatCompletionRequest.model_validate(body).chat_messages())
-        prompt = CompletionRequest.model_validate(body).prompts()[0]
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    except Exception:   # noqa: BLE001 - any refusal is the instance's to word
-        return []
+CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first", as serve/ answers
 
 
 class RouterFront:
@@ -67,7 +55,7 @@ class RouterFront:
             self._check_fits(path, body)
         except OpenAIError as e:
             return _error(e)
-        token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, body)
+        token_ids, body = await asyncio.to_thread(render, self.tokenizer, path, body)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         if self.router.disaggregated:
             return await forward_disaggregated(self, path, body, token_ids, salt)
@@ -100,6 +88,9 @@ class RouterFront:
             try:
                 response = await _unless_gone(instance, self._send(
                     instance, path, {**body, "data_parallel_rank": worker.dp_rank}, request_id))
+            except asyncio.CancelledError:   # the client left (build_router_app's _respond)
+                self.router.loads.finish(request_id)
+                raise
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 self.router.loads.finish(request_id)
                 await self.router.leave(instance, f"request failed: {e!r}")
@@ -133,19 +124,20 @@ class RouterFront:
                 return Response(data, status_code=resp.status, media_type=resp.content_type)
             first = await _read_event(resp)   # raises if the instance dies before its first chunk
         except BaseException:
-            resp.release()
+            resp.close()   # not back to the pool half-read: the instance sees the disconnect and aborts
             raise
         self.router.loads.first_token(request_id)
         return StreamingResponse(self._stream(instance, resp, first, request_id), media_type="text/event-stream")
 
     async def _stream(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
                       request_id: str) -> AsyncIterator[bytes]:
-        url = instance.url
+        url, ended = instance.url, False
         try:
             yield first
             while True:
                 event = await _unless_gone(instance, _read_event(resp))
                 if not event:
+                    ended = True
                     break
                 if b'"usage"' in event:
                     self._count_usage(url, event.split(b"data:", 1)[-1])
@@ -154,7 +146,9 @@ class RouterFront:
             body = OpenAIError(f"the instance failed mid-stream: {e!r}", 502, type="server_error").body()
             yield f"data: {json.dumps(body)}\n\n{SSE_DONE}".encode()
         finally:
-            resp.release()
+            # Read to its end, the connection goes back to the pool; otherwise (the client left
+            # mid-stream, the instance failed) it closes, and the instance aborts the request.
+            resp.release() if ended else resp.close()
             self.router.loads.finish(request_id)
 
     def _count_usage(self, url: str, data: bytes) -> None:
@@ -203,13 +197,30 @@ def build_router_app(front: RouterFront) -> FastAPI:
     router = front.router
     app = FastAPI(title="rackserve router")
 
+    async def respond(raw: Request, path: str) -> Response:
+        """The forwarded answer, unless the client leaves first: then the forward is cancelled,
+        which closes the connection to the instance, which aborts the request there."""
+        task = asyncio.ensure_future(front.forward(path, await raw.body()))
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        if task.cancelled():
+            router.metrics.client_disconnects.inc()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return task.result()
+
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await front.forward("/v1/completions", await raw.body())
+        return await respond(raw, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
-        return await front.forward("/v1/chat/completions", await raw.body())
+        return await respond(raw, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -146,6 +146,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    # rackserve's extension: the messages already rendered and tokenized (the router sends them,
+    # having tokenized to route); the chat template is then skipped.
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
 
     def unsupported(self) -> str | None:
         return "tools" if self.tools else super().unsupported()

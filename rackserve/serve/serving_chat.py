@@ -42,7 +42,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         try:   # off the event loop: a long conversation must not stall other connections
-            prompt = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+            prompt = request.prompt_token_ids or await asyncio.to_thread(self.tokenizer.apply_chat_template,
+                                                                         messages)
         except Exception as e:  # the template rejects a conversation (e.g. roles out of order)
             raise OpenAIError(f"the chat template could not render these messages: {e}",
                               param="messages") from None
