@@ -2,8 +2,9 @@
 to a prefiller with max_tokens=1 and `kv_transfer_params: {"do_remote_decode": true}`, then the
 same request to a decoder with the prefiller's returned kv_transfer_params, and relays the
 decoder's answer (streamed or whole; its usage counts the whole request, since the decoder holds
-the whole prompt). Prefillers and decoders are each picked round-robin; the KV-aware router
-replaces that choice later.
+the whole prompt). Prefillers and decoders are each picked round-robin; `rackserve router
+--prefill-worker ... --decode-worker ...` (router/disagg.py) runs the same flow with KV-aware
+choices and llm-d's decider, reusing `prefill_body`.
 
 This file owns the two-hop request flow only. It never touches KV (the instances' KV connectors
 move it) and never imports torch or the engine.
