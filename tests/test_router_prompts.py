@@ -14,7 +14,7 @@ from tests.tokenizer_utils import save_test_tokenizer
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tok"))
-    save_test_tokenizer(path)
+    save_test_tokenizer(path, 512)
     return load_tokenizer(path)
 
 
