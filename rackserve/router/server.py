@@ -4,10 +4,12 @@ sends each request to the worker (instance, DP rank) its policy picks.
 For each request it renders the chat template and tokenizes with the instances' tokenizer
 (prompts.py), hashes the blocks (router.py) and forwards the body with the prompt's token ids (so
 the instance does not tokenize again) and `data_parallel_rank`, the pinned DP rank; with P/D
-pools, disagg.py orders the hops. A request that got no token yet (the instance is unreachable, answers 5xx or
-429, or leaves the pool) is retried on the next best instance; a stream that already started
-ends with an OpenAI error event and [DONE]; other instance errors (4xx) pass through as they
-are; with no instance left the client gets a 503. This file never picks a worker itself and never touches the index.
+pools, disagg.py orders the hops. A request that got no token yet (the instance is unreachable,
+answers 5xx or 429, or leaves the pool) is retried on the next best instance; a stream that
+already started ends with an OpenAI error event and [DONE]; other instance errors (4xx) pass
+through as they are; with no instance left the client gets a 503; a client that leaves closes
+the connection to its instance, which aborts the request. This file never picks a worker itself
+and never touches the index.
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
+from rackserve.router import BOTH
 from rackserve.router.body import parse_body, prompt_chars
 from rackserve.router.disagg import forward_disaggregated
 from rackserve.router.policies import RoutingPolicy
 from rackserve.router.prompts import render
-from rackserve.router import BOTH
 from rackserve.router.router import Instance, Route, Router
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError, wait_for_disconnect
 
@@ -88,7 +90,7 @@ class RouterFront:
             try:
                 response = await _unless_gone(instance, self._send(
                     instance, path, {**body, "data_parallel_rank": worker.dp_rank}, request_id))
-            except asyncio.CancelledError:   # the client left (build_router_app's _respond)
+            except asyncio.CancelledError:   # the client left (build_router_app's respond)
                 self.router.loads.finish(request_id)
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
@@ -148,7 +150,10 @@ class RouterFront:
         finally:
             # Read to its end, the connection goes back to the pool; otherwise (the client left
             # mid-stream, the instance failed) it closes, and the instance aborts the request.
-            resp.release() if ended else resp.close()
+            if ended:
+                resp.release()
+            else:
+                resp.close()
             self.router.loads.finish(request_id)
 
     def _count_usage(self, url: str, data: bytes) -> None:
