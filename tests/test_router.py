@@ -103,6 +103,7 @@ def test_session_turns_land_where_their_prefix_lives(cluster):
             time.sleep(0.2)   # the finished turn's KV events reach the router
         went = delta(before, routed(cluster.url))
         assert len(went) == 1 and sum(went.values()) == 3, went   # every turn on one instance
+        assert metric_totals(cluster.url).get("rackserve_router:moved_off_cache_total", 0.0) == 0
         assert cached[0] < cached[1] < cached[2], cached
 
 

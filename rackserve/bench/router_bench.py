@@ -73,12 +73,13 @@ def _router(urls: list[str], interval: float, *flags: str) -> tuple[subprocess.P
 
 
 def _routed(url: str) -> dict[str, dict[str, float]]:
-    """Per instance: requests, prompt tokens, predicted and actual cached tokens, and the most any
-worker had cached for the requests routed there (router /metrics)."""
+    """Per instance: requests, prompt tokens, predicted and actual cached tokens, the most any
+worker had cached for the requests routed there, and requests moved off their cache (router
+/metrics)."""
     out: dict[str, dict[str, float]] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         for name in ("requests", "prompt_tokens", "predicted_cached_tokens", "actual_cached_tokens",
-                     "best_cached_tokens"):
+                     "best_cached_tokens", "moved_off_cache"):
             if line.startswith(f"rackserve_router:{name}_total{{"):
                 instance = line.split('instance="')[1].split('"')[0]
                 per = out.setdefault(instance, {})

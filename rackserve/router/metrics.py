@@ -27,6 +27,9 @@ class RouterMetrics:
                                    "Prompt tokens cached on the worker that held the most of the prompt, "
                                    "at decision time: what the policy gave up for load is this minus predicted.",
                                    ["instance"], registry=r)
+        self.moved_off_cache = Counter(PREFIX + "moved_off_cache", "Requests sent to a worker caching less of "
+                                       "the prompt than the best-holding worker (a session leaving its cache).",
+                                       ["instance"], registry=r)
         self.actual_cached = Counter(PREFIX + "actual_cached_tokens",
                                      "Prompt tokens the instance reported cached (usage).", ["instance"], registry=r)
         self.events_received = Counter(PREFIX + "kv_event_batches_received", "KV event batches applied.",
@@ -47,6 +50,8 @@ class RouterMetrics:
         self.prompt_tokens.labels(url).inc(prompt_tokens)
         self.predicted_cached.labels(url).inc(predicted_cached)
         self.best_cached.labels(url).inc(best_cached)
+        if best_cached > predicted_cached:
+            self.moved_off_cache.labels(url).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
