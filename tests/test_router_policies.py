@@ -105,3 +105,12 @@ def test_the_router_hashes_a_cache_salt_as_the_instances_do():
     assert router.route(tokens, cache_salt="tenant") == (a, 4, 4)
     assert router.route(tokens) == (b, 4, 4)
     assert router.route(tokens, exclude={"http://a", "http://b"}) is None
+
+
+def test_bench_router_runs_kv_once_per_overlap_weight():
+    from rackserve.bench.router_bench import policy_runs
+    assert policy_runs("kv,prefix", "1,4") == [
+        ("kv@1", ["--policy", "kv", "--overlap-weight", "1"]), ("kv@4", ["--policy", "kv", "--overlap-weight", "4"]),
+        ("prefix", ["--policy", "prefix"])]
+    assert policy_runs("round_robin,kv", "2") == [("round_robin", ["--policy", "round_robin"]),
+                                                  ("kv", ["--policy", "kv", "--overlap-weight", "2"])]
