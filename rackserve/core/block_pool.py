@@ -116,6 +116,11 @@ class BlockPool:
                 else:
                     self.free_queue[block.block_id] = block
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget a free block's hash, so that a fresher copy of its content can take the name."""
+        assert block.ref_cnt == 0, block
+        self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
         if self.num_free_blocks != self.num_blocks:

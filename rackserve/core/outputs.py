@@ -20,16 +20,30 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]         # non-empty only for a request resumed after preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]    # one block table per KV cache group (a plain list: one group)
     num_computed_tokens: int            # tokens already in the KV cache (prefix hit)
+    # Per group, leading blocks that came from the prefix cache while num_computed_tokens starts
+    # before them (a bounded replay, core/kv_cache_groups.py): the workers must not write them.
+    num_hit_blocks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.block_ids = _per_group(self.block_ids)
 
 
 @dataclass
 class CachedRequestData:
     """A request the workers already hold: only what changed since its last step."""
     req_id: str
-    new_block_ids: list[int]            # appended to its block table
+    new_block_ids: tuple[list[int], ...]   # appended to its block tables, one per KV cache group
     num_computed_tokens: int
+
+    def __post_init__(self) -> None:
+        self.new_block_ids = _per_group(self.new_block_ids)
+
+
+def _per_group(block_ids: tuple[list[int], ...] | list[int]) -> tuple[list[int], ...]:
+    """vLLM's per-group block ids; a plain list is the one group of a model with one kind of cache."""
+    return block_ids if isinstance(block_ids, tuple) else (block_ids,)
 
 
 @dataclass

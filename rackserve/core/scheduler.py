@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import deque
 
 from rackserve.config import EngineConfig
+from rackserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.core.kv_cache_manager import NO_HIT, KVCacheManager
 from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                     NewRequestData, SchedulerOutput)
@@ -30,13 +32,17 @@ from rackserve.kv_transfer.base import create_kv_connector_scheduler
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int):
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, kv_cache_config: KVCacheConfig | None = None):
+        """`kv_cache_config`: the cache groups of a model with several kinds of cache (None: one
+        group of `num_kv_blocks` blocks)."""
         assert config.model.max_model_len is not None, "resolve max_model_len first"
         self.max_model_len = config.model.max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.long_prefill_token_threshold = config.scheduler.long_prefill_token_threshold
         self.block_size = config.cache.block_size
+        if kv_cache_config is not None:   # the scarcest non-sliding group bounds a request
+            num_kv_blocks = min(g.num_blocks * g.block_size // self.block_size for g in kv_cache_config.groups[1:])
         if num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_kv_blocks * self.block_size} tokens, fewer than "
@@ -45,7 +51,12 @@ class Scheduler:
         # differently must still name equal prefixes alike (KV events, router, KV pool).
         kv_events = config.kv_events is not None and config.kv_events.enable_kv_cache_events
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
-                                 enable_kv_cache_events=kv_events)
+                                 enable_kv_cache_events=kv_events) if kv_cache_config is None else \
+            HybridKVCacheManager(kv_cache_config, self.block_size, config.cache.enable_prefix_caching)
+        if kv_cache_config is not None and config.kv_transfer is not None:
+            raise ValueError(f"KV connectors move one cache group; this model's cache has "
+                             f"{len(kv_cache_config.groups)} ({', '.join(g.name for g in kv_cache_config.groups)}): "
+                             "run it without --kv-transfer-config")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -240,8 +251,10 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------------
     def _new_request_data(self, request: Request) -> NewRequestData:
         self._in_workers.add(request.request_id)
+        hit_blocks = self.kv.hit_blocks(request) if isinstance(self.kv, HybridKVCacheManager) else ()
         return NewRequestData(request.request_id, request.prompt_token_ids, list(request.output_token_ids),
-                              request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens)
+                              request.sampling_params, self.kv.block_ids(request), request.num_computed_tokens,
+                              hit_blocks)
 
     def _fail(self, req_id: str, reason: str) -> None:
         """End one request with an error of its own (the batch and the engine go on); its output

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from rackserve.config import EngineConfig
+from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from rackserve.registry import Registry
 
@@ -25,6 +26,9 @@ class Executor(ABC):
     num_kv_blocks: int
     model_max_len: int
     vocab_size: int
+    # A model with several kinds of cache (DeepSeek-V4): its groups, whose block counts replace
+    # num_kv_blocks (equal on every DP rank). None: one group.
+    kv_cache_config: KVCacheConfig | None = None
 
     @abstractmethod
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

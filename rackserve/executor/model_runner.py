@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from rackserve.config import EngineConfig
+from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.kv_transfer.base import TPTransferReports, create_kv_connector_worker
 from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_kv_cache, get_attn_backend,
                                       model_kv_cache_spec)
+from rackserve.executor.kv_groups import allocate_kv_cache_groups
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
@@ -38,8 +40,9 @@ class CachedRequestState:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None   # the request's own, when it has a seed
-    block_ids: list[int]
+    block_ids: list[list[int]]          # one block table per KV cache group
     num_computed_tokens: int
+    num_hit_blocks: tuple[int, ...] = ()   # per group, leading blocks from the prefix cache (never written)
 
     @property
     def num_tokens(self) -> int:
@@ -78,15 +81,24 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(attn_backend, use_mla=spec.use_mla, family=spec.family)
         self.workspace = Workspace()
         self.kv_cache_dtype = kv_cache_dtype(config)
-        # A DP rank's ranks must index the same blocks: the one with the least room sets the count
-        # (other DP ranks have caches, and counts, of their own).
-        self.num_kv_blocks = self.groups.tp.min(self._num_kv_blocks())
-        # [layers, K and V (or the one latent), blocks, block_size, kv heads, head size]. Zeroed, not
-        # empty: padded decode rows read stale slots under a mask, and 0 * NaN from uninitialised
-        # memory would still poison the output.
-        shape = (info.num_layers, spec.num_tensors, *spec.cache_shape(self.num_kv_blocks, self.block_size))
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-        bind_kv_cache(self.model, [tuple(layer_cache) for layer_cache in self.kv_cache])
+        # A model with several kinds of cache (DeepSeek-V4) has groups, one tensor each (kv_groups.py).
+        self.kv_cache_config: KVCacheConfig | None = None
+        if hasattr(self.model, "kv_cache_groups"):
+            self.kv_cache_config, self.kv_cache = allocate_kv_cache_groups(self.model, config, self.kv_cache_dtype,
+                                                                           self.groups.tp)
+            # What the scheduler's capacity check reads: the scarcest compressed group, in blocks.
+            self.num_kv_blocks = min(g.num_blocks * g.block_size for g in self.kv_cache_config.groups[1:]) \
+                // self.block_size
+        else:
+            # A DP rank's ranks must index the same blocks: the one with the least room sets the count
+            # (other DP ranks have caches, and counts, of their own).
+            self.num_kv_blocks = self.groups.tp.min(self._num_kv_blocks())
+            # [layers, K and V (or the one latent), blocks, block_size, kv heads, head size]. Zeroed, not
+            # empty: padded decode rows read stale slots under a mask, and 0 * NaN from uninitialised
+            # memory would still poison the output.
+            shape = (info.num_layers, spec.num_tensors, *spec.cache_shape(self.num_kv_blocks, self.block_size))
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            bind_kv_cache(self.model, [tuple(layer_cache) for layer_cache in self.kv_cache])
         # The ranks of a DP rank sample alike; DP ranks must not draw one stream for their requests.
         self.sampler = Sampler(config.model.seed + self.groups.dp.rank_in_group, self.device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -166,10 +178,11 @@ class ModelRunner:
             generator = None if params.seed is None else torch.Generator(self.device)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
-                list(new.block_ids), new.num_computed_tokens)
+                [list(ids) for ids in new.block_ids], new.num_computed_tokens, new.num_hit_blocks)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -180,13 +193,15 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         block_tables: list[list[int]] = []
+        group_tables: list[tuple[list[int], ...]] = []
+        hit_blocks: list[tuple[int, ...]] = []
         logits_indices: list[int] = []
         sampling_states: list[CachedRequestState] = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             assert n > 0 and end <= state.num_tokens, f"{req_id}: scheduled [{start}, {end}) of {state.num_tokens} tokens"
-            table = state.block_ids
+            table = state.block_ids[0]
             assert len(table) * bs >= end, f"{req_id}: {len(table)} blocks cannot hold {end} tokens"
             input_ids += state.token_ids(start, end)
             positions += range(start, end)
@@ -194,6 +209,8 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             block_tables.append(table)
+            group_tables.append(tuple(state.block_ids))
+            hit_blocks.append(state.num_hit_blocks)
             if end == state.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_states.append(state)
@@ -203,6 +220,8 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         common = CommonAttentionMetadata(query_lens, context_lens, block_tables, tensor(slots), bs, self.workspace)
+        if self.kv_cache_config is not None:
+            common.group_block_tables, common.num_hit_blocks = group_tables, hit_blocks
         return StepInputs(tensor(input_ids), tensor(positions), self.attn_backend.build_metadata(common, self.device),
                           tensor(logits_indices), sampling_states)
 

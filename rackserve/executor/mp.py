@@ -42,6 +42,7 @@ class MultiprocExecutor(Executor):
         assert all(r.num_kv_blocks == self._dp_num_kv_blocks[parallel.dp_rank_of(r.rank)] for r in ready)
         self.num_kv_blocks, self.model_max_len, self.vocab_size = \
             min(self._dp_num_kv_blocks), rank0.model_max_len, rank0.vocab_size
+        self.kv_cache_config = rank0.kv_cache_config
 
     @property
     def dp_num_kv_blocks(self) -> list[int]:

@@ -18,6 +18,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.runner: ModelRunner | None = ModelRunner(config)
         self.num_kv_blocks = self.runner.num_kv_blocks
+        self.kv_cache_config = self.runner.kv_cache_config
         self.model_max_len = self.runner.model_info.max_position_embeddings
         self.vocab_size = self.runner.model_info.vocab_size
 

@@ -45,6 +45,7 @@ class WorkerReady:
     model_max_len: int
     vocab_size: int
     dp_num_kv_blocks: tuple[int, ...] = ()   # rank 0 only: num_kv_blocks of every DP rank
+    kv_cache_config: Any = None         # the runner's KVCacheConfig (a model with several cache groups)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def worker_main(config: EngineConfig, rank: int, conn: Connection) -> None:
         leader = groups.tp.is_first_rank     # reports for its DP rank
         dp_blocks = groups.dp.gather_object(runner.num_kv_blocks) if leader else None
         conn.send(WorkerReady(rank, runner.num_kv_blocks, info.max_position_embeddings, info.vocab_size,
-                              tuple(dp_blocks) if rank == 0 else ()))
+                              tuple(dp_blocks) if rank == 0 else (), runner.kv_cache_config))
         while True:
             step = groups.world.broadcast_object(conn.recv() if rank == 0 else None)
             if step is None:

@@ -33,6 +33,11 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor        # [num_tokens] int64: block_id * block_size + offset
     block_size: int
     workspace: Workspace | None = None   # the runner's scratch memory; None: fresh tensors
+    # A model with several KV cache groups (core/kv_cache_groups.py): every group's table per
+    # request (block_tables and slot_mapping are the first group's), and per request the leading
+    # blocks of each group that came from the prefix cache and must not be written.
+    group_block_tables: list[tuple[list[int], ...]] | None = None
+    num_hit_blocks: list[tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.query_lens) == len(self.context_lens) == len(self.block_tables)

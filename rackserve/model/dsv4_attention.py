@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention as a model layer: the projections, RoPE and the weights of the compressors
-and the lightning indexer, plus the per-token layout of the one paged cache tensor every V4 layer
-owns (DSV4CacheLayout). The paged work (writing the cache, closing compression groups, choosing the
+and the lightning indexer. Where a layer's values live in the KV cache groups is model/dsv4_cache.py's
+(bound to the layer with its group tensors); the paged work (writing the cache, closing compression groups, choosing the
 indexer's top-k, attending) is the backend's ("name_dsv4", e.g. model/torch_dsv4_attention.py).
 
 Every layer kind attends one shared K=V head: a sliding window of `sliding_window` tokens (the
@@ -10,16 +10,11 @@ Ca half of group g-1 and the Cb half of group g). RoPE is interleaved on the tra
 plain (rope_theta) on sliding layers, YaRN (compress_rope_theta) on compressed layers, their
 compressors and the indexer; the output's rope dims are rotated back at the query position.
 
-The cache layout is the simplest that fits the paged engine: per token and layer, the window key,
-the compressor's raw kv and gate (its partial-group state), the compressed entry (written at the
-slot of the token that closes its group) and the indexer's raw kv, gate and entry. Everything in a
-block is a function of the tokens up to it, so prefix caching, chunked prefill and preemption need
-nothing special. This file must never touch the cache tensor itself.
+This file must never touch the cache tensors themselves.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +24,9 @@ from rackserve.distributed.parallel_state import GroupCoordinator
 from rackserve.model.layers import (SINGLE, ColumnParallelLinear, Held, Linear, RMSNorm, RowParallelLinear, _param,
                                     default_weight_loader)
 from rackserve.model.rotary import inverse_frequencies, rope_attention_factor
+
+if TYPE_CHECKING:
+    from rackserve.model.dsv4_cache import LayerCache
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
@@ -94,40 +92,6 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x0, x1 = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).flatten(-2)
     return torch.cat([x[..., :-2 * half], rotated.to(x.dtype)], dim=-1)
-
-
-@dataclass(frozen=True)
-class DSV4CacheLayout:
-    """Channel ranges of one token's cache entry (the same for every layer of a model, sized for
-    its largest kind; a layer uses what its kind needs)."""
-    head_dim: int
-    compress_width: int      # raw kv values per token: 2 * head_dim with CSA layers, head_dim with only HCA
-    index_dim: int           # the indexer's head dim; 0 without CSA layers
-
-    def _ranges(self) -> dict[str, tuple[int, int]]:
-        sizes = {"window": self.head_dim, "entry": self.head_dim if self.compress_width else 0,
-                 "raw_kv": self.compress_width, "raw_gate": self.compress_width,
-                 "index_raw_kv": 2 * self.index_dim, "index_raw_gate": 2 * self.index_dim,
-                 "index_entry": self.index_dim}
-        out, start = {}, 0
-        for name, size in sizes.items():
-            out[name] = (start, start + size)
-            start += size
-        return out
-
-    def range(self, name: str) -> tuple[int, int]:
-        return self._ranges()[name]
-
-    @property
-    def width(self) -> int:
-        return self._ranges()["index_entry"][1]
-
-    @classmethod
-    def of(cls, config: dict[str, Any]) -> "DSV4CacheLayout":
-        kinds = set(layer_kinds(config))
-        hd = config["head_dim"]
-        width = 2 * hd if CSA in kinds else hd if HCA in kinds else 0
-        return cls(hd, width, config.get("index_head_dim", 128) if CSA in kinds else 0)
 
 
 class Compressor(nn.Module):
@@ -196,8 +160,9 @@ class DeepseekV4Attention(AttentionLayerBase):
         self.indexer = Indexer(config, self.ratio) if kind == CSA else None
         self.rope = InterleavedRope(rope_dim(config), rope_params(config, "main" if kind == SLIDING else "compress"))
         self.compress_rope = InterleavedRope(rope_dim(config), rope_params(config, "compress"))
-        self.layout = DSV4CacheLayout.of(config)
-        self.kv_cache_spec = KVCacheSpec(1, self.layout.width, family="dsv4")
+        # Names the backend family only: the cache's shapes are the groups' (model/dsv4_cache.py).
+        self.kv_cache_spec = KVCacheSpec(1, hd, family="dsv4")
+        self.cache: LayerCache | None = None     # this layer's channels in the groups, set with kv_cache
         self.impl = get_attn_backend(attn_backend, family="dsv4")()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
@@ -209,7 +174,7 @@ class DeepseekV4Attention(AttentionLayerBase):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = apply_interleaved_rope(q, cos, sin)
         kv = apply_interleaved_rope(self.norm(self.wkv(x)), cos, sin)
-        o = self.impl.forward(self, q, kv, x, q_residual, positions, self.kv_cache[0], attn_metadata)
+        o = self.impl.forward(self, q, kv, x, q_residual, positions, self.kv_cache, attn_metadata)
         o = apply_interleaved_rope(o, cos, -sin)               # K = V carried rope into the values
         # Sizes spelled out: an idle DP rank's forward of zero tokens cannot infer a -1.
         per_group = self.num_heads * hd // self.o_groups

@@ -36,10 +36,16 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]      # from the config (and generation_config.json when present)
     dtype: torch.dtype
     kv_cache_spec: KVCacheSpec          # one layer's cache in one process (a TP rank's layers hold a share)
+    # A model with several KV cache groups (DeepSeek-V4): (group, bytes per token, all layers) each;
+    # the first, the sliding group, for the tokens it keeps only.
+    kv_cache_bytes_by_group: tuple[tuple[str, float], ...] = ()
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
-        """What every layer caches for one token: K and V, or the MLA latent."""
+        """What every layer caches for one token: K and V, or the MLA latent; with cache groups,
+        what a token costs at long context (the compressed groups; the window is bounded)."""
+        if self.kv_cache_bytes_by_group:
+            return round(sum(b for _, b in self.kv_cache_bytes_by_group[1:]))
         return self.num_layers * self.kv_cache_spec.bytes_per_token(self.dtype)
 
     @classmethod
@@ -47,13 +53,15 @@ class ModelInfo:
         heads = config["num_attention_heads"]
         num_kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        by_group: tuple[tuple[str, float], ...] = ()
         if config.get("kv_lora_rank"):
             # Multi-head latent attention (DeepSeek-V2/V3), recognised as vLLM does: every layer
             # caches the compressed KV and the roped shared key, whatever the head count.
             spec = KVCacheSpec(1, config["kv_lora_rank"] + config["qk_rope_head_dim"], use_mla=True)
         elif config["architectures"][0] == "DeepseekV4ForCausalLM":
-            from rackserve.model.dsv4_attention import DSV4CacheLayout
-            spec = KVCacheSpec(1, DSV4CacheLayout.of(config).width, family="dsv4")
+            from rackserve.model.dsv4_cache import DSV4CacheGroups
+            spec = KVCacheSpec(1, config["head_dim"], family="dsv4")
+            by_group = tuple(DSV4CacheGroups(config, 1).bytes_per_token(dtype.itemsize).items())
         else:
             spec = KVCacheSpec(num_kv_heads, head_dim)
         eos = config.get("eos_token_id")
@@ -70,6 +78,7 @@ class ModelInfo:
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             dtype=dtype,
             kv_cache_spec=spec,
+            kv_cache_bytes_by_group=by_group,
         )
 
 

@@ -307,6 +307,13 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def kv_groups_line(engine: AsyncEngine) -> str:
+    """The startup banner's line on a model with several KV cache groups: bytes per token per kind."""
+    from rackserve.executor.kv_groups import describe
+    kv_config = engine.engine.core.executor.kv_cache_config
+    return "" if kv_config is None else f"  KV cache groups: {describe(kv_config)}\n"
+
+
 async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError | None:
     """Runs the server until it is told to stop, or until the engine dies (returns why)."""
     task = asyncio.create_task(server.serve())
@@ -320,6 +327,7 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
         print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
               f"(metrics at {url}/metrics)\n"
               f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
+              f"{kv_groups_line(engine)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)
     died = None

@@ -28,6 +28,7 @@ from torch import nn
 
 from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
 from rackserve.model.dsv4_attention import DeepseekV4Attention, layer_kinds
+from rackserve.model.dsv4_cache import DSV4CacheGroups
 from rackserve.model.layers import (SINGLE, LMHead, MergedLinear, RMSNorm, RowParallelLinear, VocabEmbedding,
                                     default_weight_loader, split_evenly)
 from rackserve.model.models.weights import WeightTracker, stacked_shards, stacked_target
@@ -202,6 +203,17 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
+
+    def kv_cache_groups(self, block_size: int) -> DSV4CacheGroups:
+        """The model's KV cache groups (a model with several kinds of cache; the runner allocates
+        one tensor per group and binds them with bind_kv_cache_groups)."""
+        return DSV4CacheGroups(self.config, block_size)
+
+    def bind_kv_cache_groups(self, groups: DSV4CacheGroups, tensors: list[torch.Tensor]) -> None:
+        """Give each layer the window group's tensor, its kind's group tensor and its channels."""
+        for layer, where in zip(self.layers, groups.layers):
+            layer.attn.kv_cache = (tensors[0], tensors[where.group] if where.group else None)
+            layer.attn.cache = where
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load DeepSeek-named tensors; raises on an unknown name, a quantized tensor or a parameter
