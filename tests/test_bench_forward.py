@@ -212,7 +212,7 @@ def test_dp_shards_are_the_batch_split_with_its_own_prompts():
     assert [r.prompt_token_ids for so in shards for r in so.scheduled_new_reqs] == \
         [r.prompt_token_ids for r in whole.scheduled_new_reqs]
     # Each DP rank has a cache of its own: its requests' blocks start at 0 there (3 blocks each).
-    assert [r.block_ids for r in shards[1].scheduled_new_reqs] == [[0, 1, 2], [3, 4, 5]]
+    assert [r.block_ids for r in shards[1].scheduled_new_reqs] == [([0, 1, 2],), ([3, 4, 5],)]
     idle = RepeatedStep(ForwardPoint("decode", 1, 8, 1), 4, 512, seed=7, shard=(1, 2))
     assert idle.next().is_empty and idle.retire().is_empty
 

@@ -123,11 +123,21 @@ def test_greedy_tokens_match_transformers(v4_case, setting):
     with LLM(model_dir, dtype="float32", device="cpu", **SETTINGS[setting]) as llm:
         llm.engine.stat_loggers.append(Count())
         assert run(llm, prompts) == expected
-        # Again: every prompt now hits the prefix cache (window keys, compressor state and
-        # compressed entries alike live in its blocks).
+        # Again: the longer prompts now hit their compressed entries in the prefix cache and replay
+        # a bounded span before the hit to rebuild the window (docs/deepseek_v4.md).
         assert run(llm, prompts) == expected
-        again = llm.generate({"prompt_token_ids": prompts[8]}, SamplingParams(temperature=0.0, max_tokens=1))[0]
-        assert (again.num_cached_tokens > 0) == SETTINGS[setting].get("enable_prefix_caching", True)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        again = llm.generate({"prompt_token_ids": prompts[8]}, params)[0]
+        assert again.outputs[0].token_ids == expected[8]
+        kv_config, block_size = llm.engine.core.executor.kv_cache_config, llm.engine.config.cache.block_size
+        if SETTINGS[setting].get("enable_prefix_caching", True):
+            # The hit: whole blocks of every compressed group, short of the last prompt token.
+            hit = min((len(prompts[8]) - 1) // g.block_size * g.block_size for g in kv_config.groups[1:])
+            start = kv_config.replay_start(hit, [hit // g.block_size for g in kv_config.groups[1:]], block_size)
+            assert again.num_cached_tokens == start and 0 < hit - start <= \
+                kv_config.num_layers * (kv_config.window - 1) + block_size
+        else:
+            assert again.num_cached_tokens == 0
     assert (sum(preemptions) > 0) == (setting == "preempt")
 
 

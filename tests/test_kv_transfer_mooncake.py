@@ -1,7 +1,8 @@
 """MooncakeConnector in one process: a prefiller LLM and a decoder LLM, each with its own Mooncake
 transfer engine and side channel, give the same greedy tokens as one LLM doing both, for the
-standard K/V layout, MLA's latent cache, DeepSeek-V4's per-token cache entry and a 16-bit KV cache; leases, load failures and
-mismatched layouts end in a completed request or a clear error, with no block leaked."""
+standard K/V layout, MLA's latent cache and a 16-bit KV cache; leases, load failures and
+mismatched layouts end in a completed request or a clear error, with no block leaked. DeepSeek-V4's cache comes in
+several groups (a bounded window, compressed entries), which the connectors do not move: refused with a clear error."""
 from __future__ import annotations
 
 import time
@@ -42,8 +43,7 @@ PROMPTS = [[1], [5, 6, 7, 8, 9, 10, 11, 12], [3 + (i * 7) % 500 for i in range(2
 
 @pytest.fixture(scope="module")
 def tiny_deepseek_v4_dir(tmp_path_factory) -> str:
-    """DeepSeek-V4: one paged cache entry per token holding the window key, the compressed KV and
-    the indexer's keys; whole blocks of it move like any other layout."""
+    """DeepSeek-V4: KV cache groups (a sliding window, CSA and HCA entries)."""
     from tests.tiny_models import build_tiny_deepseek_v4
     from tests.tokenizer_utils import save_test_tokenizer
     path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("tiny_dsv4_kv"), seed=11)
@@ -51,8 +51,13 @@ def tiny_deepseek_v4_dir(tmp_path_factory) -> str:
     return path
 
 
+def test_a_model_with_several_kv_cache_groups_is_refused(tiny_deepseek_v4_dir):
+    with pytest.raises(ValueError, match="KV connectors move one cache group"):
+        _llm(tiny_deepseek_v4_dir, "kv_producer")
+
+
 @pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),
-                                                          ("tiny_deepseek_v4_dir", "auto"), ("tiny_llama_dir", "bfloat16")])
+                                                          ("tiny_llama_dir", "bfloat16")])
 def test_disaggregated_greedy_tokens_match_one_instance(request, model_fixture, kv_cache_dtype):
     path = request.getfixturevalue(model_fixture)
     opts = {"kv_cache_dtype": kv_cache_dtype}

@@ -202,6 +202,13 @@ def _time_points(settings: list[Setting], points: list[ForwardPoint], limits: di
     return results
 
 
+def _kv_groups(executor: Executor) -> list[dict] | None:
+    """Per KV cache group of a model with several: bytes per token (all layers; the sliding group's
+    for the tokens it keeps), tokens per block, blocks."""
+    kv_config = executor.kv_cache_config
+    return None if kv_config is None else [dataclasses.asdict(g) for g in kv_config.groups]
+
+
 @register_subcommand("bench forward", "time exact prefill or decode batches through the real execute path, "
                      "against the machine's limits; --compare KEY=VALUE for an A/B", _add_forward_args)
 def run_forward(args: argparse.Namespace) -> int:
@@ -217,6 +224,10 @@ def run_forward(args: argparse.Namespace) -> int:
             return 2
         print(f"{args.mode}: {points[0].new_tokens} new token(s) per request per step, {args.seconds:g} s per point"
               + "".join(f"; {s.label} = {c}" for s, c in zip(settings[1:], args.compare or [])))
+        for s in settings:
+            if s.executor.kv_cache_config is not None:
+                from rackserve.executor.kv_groups import describe
+                print(f"{s.label}: KV cache groups: {describe(s.executor.kv_cache_config)}")
         # Other work on the machine shows in the spread; the load says whether there was any.
         load = [os.getloadavg()[0]]
         results = _time_points(settings, points, limits, args)
@@ -229,7 +240,8 @@ def run_forward(args: argparse.Namespace) -> int:
               "seconds": args.seconds, "warmup_steps": args.warmup_steps, "compare": args.compare,
               "settings": {s.label: {"executor": s.executor_name, "dtype": s.config.model.dtype,
                                      "device": s.config.model.device, "block_size": s.config.cache.block_size,
-                                     "num_kv_blocks": s.executor.num_kv_blocks, "cost": dataclasses.asdict(s.cost)}
+                                     "num_kv_blocks": s.executor.num_kv_blocks, "cost": dataclasses.asdict(s.cost),
+                                     "kv_cache_groups": _kv_groups(s.executor)}
                            for s in settings},
               "limits": {label: vars(lim) for label, lim in limits.items()}, "load_average": load, "points": results,
               "command": "rackserve " + " ".join(sys.argv[1:]), "machine": platform.processor() or platform.machine()}

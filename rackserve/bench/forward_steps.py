@@ -67,7 +67,9 @@ class RepeatedStep:
     share is empty (that DP rank idles, as the engine's do)."""
 
     def __init__(self, point: ForwardPoint, block_size: int, vocab_size: int, seed: int,
-                 shard: tuple[int, int] = (0, 1)):
+                 shard: tuple[int, int] = (0, 1), group_block_sizes: tuple[int, ...] = ()):
+        """`group_block_sizes`: tokens per block of each KV cache group of a model with several
+        (each request then gets a table per group, whole: a bench step gives no block back)."""
         rng = random.Random(seed)
         blocks_per_req = point.num_blocks(block_size) // point.batch_size
         # Low ids are where tokenizers keep their special tokens.
@@ -80,8 +82,8 @@ class RepeatedStep:
         for copy in range(2):
             ids = [f"{tag}-{copy}-{i}" for i in mine]
             other = {f"{tag}-{1 - copy}-{i}" for i in mine}
-            reqs = [NewRequestData(rid, prompts[i], [], params,
-                                   list(range(j * blocks_per_req, (j + 1) * blocks_per_req)), point.context_len)
+            reqs = [NewRequestData(rid, prompts[i], [], params, _tables(j, point.kv_len, block_size, group_block_sizes),
+                                   point.context_len)
                     for j, (i, rid) in enumerate(zip(mine, ids))]
             self.copies.append(SchedulerOutput(reqs, [], {rid: point.new_tokens for rid in ids},
                                                len(mine) * point.new_tokens, finished_req_ids=other))
@@ -95,6 +97,13 @@ class RepeatedStep:
         """The empty step that drops the last copy's requests, as a finished batch would be."""
         last = self.copies[(self.sent - 1) % 2]
         return SchedulerOutput([], [], {}, 0, finished_req_ids=set(last.num_scheduled_tokens))
+
+
+def _tables(j: int, kv_len: int, block_size: int, group_block_sizes: tuple[int, ...]) -> list[int] | tuple[list[int], ...]:
+    """Request j's block table(s): the j-th run of as many blocks as kv_len tokens fill, per group."""
+    sizes = group_block_sizes or (block_size,)
+    tables = tuple(list(range(j * -(-kv_len // s), (j + 1) * -(-kv_len // s))) for s in sizes)
+    return tables if group_block_sizes else tables[0]
 
 
 @dataclass(frozen=True)
@@ -327,7 +336,9 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
     `seconds` and at least MIN_STEPS times, so drift hits all of them alike. With `profile`,
     PROFILE_STEPS more steps per setting run with hooks (None where the runner is elsewhere)."""
     # One RepeatedStep per DP rank of each side: the point's batch is the total over them.
-    steps = [[RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed, (r, dp))
+    steps = [[RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed, (r, dp),
+                           tuple(g.block_size for g in s.executor.kv_cache_config.groups) if s.executor.kv_cache_config
+                           else ())
               for r in range(dp)] for s in sides for dp in [len(s.executor.dp_num_kv_blocks)]]
     timings = [Timing(warmup_steps) for _ in sides]
     for _ in range(warmup_steps):
