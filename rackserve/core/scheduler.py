@@ -53,10 +53,11 @@ class Scheduler:
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  enable_kv_cache_events=kv_events) if kv_cache_config is None else \
             HybridKVCacheManager(kv_cache_config, self.block_size, config.cache.enable_prefix_caching)
-        if kv_cache_config is not None and config.kv_transfer is not None:
-            raise ValueError(f"KV connectors move one cache group; this model's cache has "
-                             f"{len(kv_cache_config.groups)} ({', '.join(g.name for g in kv_cache_config.groups)}): "
-                             "run it without --kv-transfer-config")
+        if kv_cache_config is not None and (config.kv_transfer is not None or kv_events):
+            names = ", ".join(g.name for g in kv_cache_config.groups)
+            raise ValueError(f"KV connectors and KV events name blocks of one cache group; this model's cache has "
+                             f"{len(kv_cache_config.groups)} ({names}): run it without --kv-transfer-config "
+                             "and --kv-events-config")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
