@@ -194,6 +194,8 @@ def test_served_through_the_openai_api_and_bench_serve(v4_case, tmp_path):
             out = client.completions.create(model="tiny-v4", prompt=prompts[i], max_tokens=NUM_TOKENS,
                                             temperature=0.0, extra_body={"ignore_eos": True})
             assert out.choices[0].text == tokenizer.decode(expected[i])
+        # The startup banner (printed once the server is up) gives each cache group's bytes per token.
+        assert "KV cache groups: window: " in (tmp_path / "server.log").read_text()
         trace = os.path.join(os.path.dirname(__file__), "data", "weka_tiny.jsonl")
         code = main(["bench", "serve", "--base-url", url, "--workload", f"trace:{trace}", "--concurrency", "2",
                      "--duration", "3", "--think-time-cap", "0.2", "--tokenizer", model_dir,

@@ -23,10 +23,10 @@ from rackserve.config import EngineConfig
 from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.executor.kv_groups import allocate_kv_cache_groups
 from rackserve.kv_transfer.base import TPTransferReports, create_kv_connector_worker
 from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_kv_cache, get_attn_backend,
                                       model_kv_cache_spec)
-from rackserve.executor.kv_groups import allocate_kv_cache_groups
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
@@ -209,8 +209,9 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start)
             block_tables.append(table)
-            group_tables.append(tuple(state.block_ids))
-            hit_blocks.append(state.num_hit_blocks)
+            if self.kv_cache_config is not None:
+                group_tables.append(tuple(state.block_ids))
+                hit_blocks.append(state.num_hit_blocks)
             if end == state.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_states.append(state)
