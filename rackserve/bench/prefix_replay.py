@@ -99,11 +99,14 @@ def run_prefix_replay(args: argparse.Namespace) -> int:
                 full.append(prefill(tokens(prefix_len + n)))
             row = {"prefix_len": prefix_len, "prompt_tokens": prefix_len + n,
                    "bounded_replay": _median_run(hit, prefix_len + n), "full_recompute": _median_run(full, prefix_len + n)}
-            row["replayed_tokens"] = prefix_len - row["bounded_replay"]["cached_tokens"]
+            # No hit when the prefix is within the replay's depth (a replay from token 0 saves nothing).
+            cached = row["bounded_replay"]["cached_tokens"]
+            row["replayed_tokens"] = prefix_len - cached if cached else 0
             row["speedup"] = row["full_recompute"]["median_s"] / row["bounded_replay"]["median_s"]
             rows.append(row)
+            what = f"{row['replayed_tokens']} of them replayed" if cached else "no hit: the prefix is within the replay depth"
             print(f"prefix {prefix_len:6d} + {n} new: bounded replay {row['bounded_replay']['median_s'] * 1e3:8.1f} ms "
-                  f"({row['bounded_replay']['computed_tokens']} computed, {row['replayed_tokens']} of them replayed), "
+                  f"({row['bounded_replay']['computed_tokens']} computed, {what}), "
                   f"full {row['full_recompute']['median_s'] * 1e3:8.1f} ms ({row['full_recompute']['computed_tokens']} "
                   f"computed): {row['speedup']:.2f}x prefill throughput", flush=True)
         load.append(os.getloadavg()[0])
