@@ -19,7 +19,7 @@ def test_a_cached_prefix_costs_a_bounded_replay_and_fewer_kv_bytes_than_deepseek
     torch.set_num_threads(1)
     try:
         assert main(["bench", "prefix-replay", "--model", model, "--dtype", "float32", "--device", "cpu",
-                     "--prefix-lens", "96,256", "--new-tokens", "8", "--repeats", "1", "--output", str(out)]) == 0
+                     "--prefix-lens", "80,160", "--new-tokens", "8", "--repeats", "1", "--output", str(out)]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
