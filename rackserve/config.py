@@ -152,6 +152,30 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class CompilationConfig:
+    """torch.compile of the decode path (model/compiled_layers.py), vLLM's `--compilation-config`
+    keys where they exist. mode 0: eager; mode 3: compile the dense layers around attention."""
+    mode: int = 0
+    backend: str = "inductor"
+    compile_sizes: tuple[int, ...] = (1, 2, 4, 8)   # step sizes (tokens) with graphs of their own
+    warmup: str = "background"          # "background": serve eagerly until compiled; "startup": compile first
+
+    @classmethod
+    def from_json(cls, value: "str | dict | None", enforce_eager: bool = False) -> "CompilationConfig":
+        raw = {} if value is None else json.loads(value) if isinstance(value, str) else dict(value)
+        if isinstance(raw, int):   # vLLM's `-O3` shorthand: the mode alone
+            raw = {"mode": raw}
+        known = {f.name for f in fields(cls)}
+        _require(isinstance(raw, dict) and not set(raw) - known,
+                 f"--compilation-config takes a mode or a JSON object with keys among {sorted(known)}")
+        config = cls(**{**raw, **({"compile_sizes": tuple(raw["compile_sizes"])} if "compile_sizes" in raw else {})})
+        _require(config.mode in (0, 3), f"compilation mode {config.mode}; choose 0 (eager) or 3 (compile)")
+        _require(config.warmup in ("background", "startup"), "compilation warmup: background or startup")
+        _require(all(isinstance(n, int) and n > 0 for n in config.compile_sizes), "compile_sizes are sizes > 0")
+        return dataclasses.replace(config, mode=0) if enforce_eager else config
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -159,6 +183,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None   # None: this instance moves no KV
     kv_events: KVEventsConfig | None = None
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     def with_model_len(self, model_max_len: int) -> "EngineConfig":
         """Resolve max_model_len once the checkpoint says how long a context it supports."""
@@ -226,6 +251,11 @@ class EngineArgs:
                                         '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (publisher, '
                                         "buffer_steps, hwm too); DP rank k publishes on port + k")
 
+    enforce_eager: bool = _opt(False, "never compile: every step runs eagerly (as --compilation-config 0)")
+    compilation_config: str | None = _opt(None, "torch.compile of the decode path, vLLM's keys: a mode "
+                                          "(0 eager, 3 compile) or JSON, e.g. '{\"mode\": 3, "
+                                          "\"compile_sizes\": [1, 2, 4, 8], \"warmup\": \"background\"}'")
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return add_dataclass_cli_args(cls, parser)
@@ -277,7 +307,8 @@ class EngineArgs:
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
         kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
-                            kv_transfer=kv_transfer, kv_events=kv_events)
+                            kv_transfer=kv_transfer, kv_events=kv_events,
+                            compilation=CompilationConfig.from_json(self.compilation_config, self.enforce_eager))
 
     def _parallel_config(self, device: str) -> ParallelConfig:
         tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes

@@ -27,6 +27,7 @@ from rackserve.executor.kv_groups import allocate_kv_cache_groups
 from rackserve.kv_transfer.base import TPTransferReports, create_kv_connector_worker
 from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_kv_cache, get_attn_backend,
                                       model_kv_cache_spec)
+from rackserve.model.compiled_layers import compile_decoder
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
@@ -109,6 +110,8 @@ class ModelRunner:
         # Moves this rank's KV shard to and from peers (kv_transfer/); None without --kv-transfer-config.
         self.kv_connector = create_kv_connector_worker(config, self.kv_cache, self.groups.tp.rank_in_group)
         self.transfer_reports = TPTransferReports(self.groups.tp.world_size)
+        # Last, so that a background compile never races the KV cache's allocation.
+        self.compiled = compile_decoder(self.model, config.compilation, self.device)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -148,7 +151,10 @@ class ModelRunner:
         if scheduler_output.is_empty and not self.forward_when_idle:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        hidden = None if self.compiled is None else self.compiled.forward(inputs.input_ids, inputs.positions,
+                                                                         inputs.attn_metadata)
+        if hidden is None:   # eager: no compile, a step too large, or its size still compiling
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         expert_counts = take_expert_token_counts(self.moe_layers)
         if not inputs.sampling_states:
             return ModelRunnerOutput([], [], [], expert_token_counts=expert_counts)

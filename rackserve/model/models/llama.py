@@ -74,11 +74,15 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         return qk[:, :self.num_heads], qk[:, self.num_heads:]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v of x: what the attention op takes (compiled_layers.py compiles it)."""
         qkv = self.qkv_proj(x)
         q, k = self.rotate_qk(qkv, cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(qkv.shape[0], self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        return self.o_proj(self.attn(*self.project(x, cos, sin), attn_metadata))
 
 
 class DecoderLayer(nn.Module):
