@@ -24,15 +24,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int)
 
 
 def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspace | None = None,
-              cache_dtype: torch.dtype = torch.float32) -> None:
+              cache_dtype: torch.dtype = torch.float32, consecutive: bool = False):
     """requests: (cached context, new tokens) per request, in batch order. A 16-bit cache is held
-    to bf16's precision (K/V rounded to 8 significant bits, and decode queries with them)."""
+    to bf16's precision (K/V rounded to 8 significant bits, and decode queries with them).
+    consecutive: blocks handed out in order (each table a run) instead of shuffled. Returns the
+    backend's metadata."""
     g = torch.Generator().manual_seed(seed)
     backend = get_attn_backend("torch")(H, KVH, HD, HD ** -0.5)
     k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD, dtype=cache_dtype)
     v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, HD, dtype=cache_dtype)
-    free = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(free)
+    free = list(range(NUM_BLOCKS))[::-1] if consecutive else list(range(NUM_BLOCKS))
+    if not consecutive:
+        random.Random(seed).shuffle(free)
     tables, histories, slots = [], [], []
     for ctx, n in requests:
         table = [free.pop() for _ in range(-(-(ctx + n) // BS) + 1)]    # one spare block, as a scheduler may give
@@ -47,7 +50,8 @@ def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspa
     v = torch.cat([hv[ctx:] for (_, hv), (ctx, _) in zip(histories, requests)])
     common = CommonAttentionMetadata([n for _, n in requests], [c for c, _ in requests], tables,
                                      torch.tensor(slots), BS, workspace)
-    out = backend.forward(q, k, v, (k_cache, v_cache), backend.build_metadata(common, torch.device("cpu")))
+    metadata = backend.build_metadata(common, torch.device("cpu"))
+    out = backend.forward(q, k, v, (k_cache, v_cache), metadata)
 
     start = 0
     for (ctx, n), (hist_k, hist_v), table in zip(requests, histories, tables):
@@ -59,6 +63,7 @@ def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspa
             assert torch.equal(k_cache[table[p // BS], p % BS], hist_k[p].to(cache_dtype))
             assert torch.equal(v_cache[table[p // BS], p % BS], hist_v[p].to(cache_dtype))
         start += n
+    return metadata
 
 
 @pytest.mark.parametrize("requests", [
@@ -70,6 +75,14 @@ def run_batch(requests: list[tuple[int, int]], seed: int = 0, workspace: Workspa
 ], ids=["prefill", "chunk", "decode", "decodes_equal", "decodes_ragged"])
 def test_single_kind_batches_match_dense(requests):
     run_batch(requests)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_decode_over_consecutive_blocks_is_read_in_place(cache_dtype):
+    assert run_batch([(21, 1)], cache_dtype=cache_dtype, consecutive=True).decode_block_run == slice(0, 6)
+    # Two decodes, or blocks out of order, are gathered as before.
+    assert run_batch([(21, 1), (5, 1)], consecutive=True).decode_block_run is None
+    assert run_batch([(21, 1)]).decode_block_run is None
 
 
 def test_mixed_batch_matches_dense():

@@ -25,9 +25,19 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--peer", choices=["hf", "none"], default="hf",
-                        help="also time HF transformers on the same work (hf) or not (none)")
+    parser.add_argument("--peer", default="hf", type=_peers,
+                        help="also time these on the same work, comma-separated: hf (HF transformers), "
+                             "llama.cpp (bench latency only: llama-cpp-python on the same GGUF and "
+                             "threads), or none")
     parser.add_argument("--output", help="write the results as JSON here")
+
+
+def _peers(value: str) -> list[str]:
+    peers = [p for p in value.split(",") if p and p != "none"]
+    unknown = sorted(set(peers) - {"hf", "llama.cpp"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {unknown}; choose among hf, llama.cpp, none")
+    return peers
 
 
 def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -109,7 +119,21 @@ def run_latency(args: argparse.Namespace) -> None:
     print(f"machine: {limits.describe()}")
     print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
           f"({tps / limit_tps:.0%} of the weight-read limit {limit_tps:.1f} tok/s)")
-    if args.peer == "hf":
+    if "llama.cpp" in args.peer:
+        import torch
+        from rackserve.bench.llama_cpp_peer import llama_cpp_stream_timing, load_llama_cpp
+        threads = torch.get_num_threads()
+        peer_llm = load_llama_cpp(engine_args.model, threads, args.input_len + args.output_len + 16)
+        llama_cpp_stream_timing(peer_llm, prompt, 8)
+        peer = [llama_cpp_stream_timing(peer_llm, prompt, args.output_len) for _ in range(args.runs)]
+        del peer_llm
+        cpp_ttft = statistics.median(r[0] for r in peer)
+        cpp_tps = statistics.median(r[1] for r in peer)
+        result["llama_cpp"] = {"ttft_s": cpp_ttft, "decode_tok_s": cpp_tps, "threads": threads}
+        result["decode_ratio_vs_llama_cpp"] = tps / cpp_tps
+        print(f"llama.cpp  TTFT {cpp_ttft * 1e3:7.1f} ms   decode {cpp_tps:6.1f} tok/s ({threads} threads)")
+        print(f"rackserve / llama.cpp decode: {tps / cpp_tps:.2f}x")
+    if "hf" in args.peer:
         from rackserve.bench.hf_peer import hf_stream_timing, load_hf_model
         model = load_hf_model(engine_args.model)
         hf_stream_timing(model, prompt, 8)
@@ -137,6 +161,8 @@ def _add_throughput_args(parser: argparse.ArgumentParser) -> None:
 @register_subcommand("bench throughput", "offline throughput of mixed-length requests, against HF "
                      "and the matmul limit", _add_throughput_args)
 def run_throughput(args: argparse.Namespace) -> None:
+    if "llama.cpp" in args.peer:
+        raise SystemExit("bench throughput has no llama.cpp peer: use bench serve against llama-server")
     from rackserve import LLM, SamplingParams
     from rackserve.bench.limits import measure_limits
     engine_args = _engine_args(args)
@@ -170,7 +196,7 @@ def run_throughput(args: argparse.Namespace) -> None:
           f"output tokens")
     print(f"rackserve  {elapsed:7.1f} s   {tps:6.1f} processed tok/s "
           f"({tps / limit_tps:.0%} of the matmul limit {limit_tps:.0f} tok/s)")
-    if args.peer == "hf":
+    if "hf" in args.peer:
         from rackserve.bench.hf_peer import hf_batched_generate_seconds, load_hf_model
         model = load_hf_model(engine_args.model)
         hf_s = hf_batched_generate_seconds(model, requests, args.peer_batch_size)

@@ -1,7 +1,8 @@
 """The "torch" attention backend: paged attention in plain PyTorch (SDPA), on CPU and CUDA.
 
 Single-token queries (decodes) of the whole step are batched into one SDPA call: each row's blocks
-are gathered through its block table, padded to the longest row and masked; the query heads of a
+are gathered through its block table, padded to the longest row and masked (a lone decode whose
+blocks are consecutive, as a single stream's usually are, is read in place as a view); the query heads of a
 KV group ride along as the query-length axis, so GQA needs no repeat of K/V. Multi-token queries
 (prefill chunks, with or without cached context) run one call per request with a causal mask
 offset by the cached context: SDPA on CUDA, two batched matmuls on CPU, where that is faster.
@@ -41,6 +42,7 @@ class TorchAttentionMetadata:
     decode_block_tables: torch.Tensor | None   # [num_decodes * max_blocks], rows padded with block 0
     decode_kv_len: int                         # the longest decode row's context
     decode_mask: torch.Tensor | None           # [num_decodes, 1, 1, decode_kv_len]; None when all equal
+    decode_block_run: slice | None             # one decode whose blocks are consecutive: read in place
     workspace: Workspace                       # where layers gather the paged context
 
 
@@ -72,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
 
         rows: slice | torch.Tensor | None = None
-        tables = mask = None
+        tables = mask = run = None
         kv_len = 0
         if decode_rows:
             d = len(decode_rows)
@@ -83,10 +85,13 @@ class TorchAttentionBackend(AttentionBackend):
             tables = torch.tensor([b for t in decode_tables for b in t + [0] * (width - len(t))],
                                   dtype=torch.long, device=device)
             kv_len = max(decode_lens)
+            only = decode_tables[0]
+            if d == 1 and only == list(range(only[0], only[0] + len(only))):
+                run = slice(only[0], only[0] + len(only))
             if min(decode_lens) != kv_len:
                 lens = torch.tensor(decode_lens, device=device)
                 mask = (torch.arange(kv_len, device=device)[None, :] < lens[:, None]).view(d, 1, 1, kv_len)
-        return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask,
+        return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask, run,
                                       common.workspace or Workspace())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -149,8 +154,12 @@ class TorchAttentionBackend(AttentionBackend):
         qd = q.reshape(d, kvh, self.num_heads // kvh, self.head_dim)
         # index_select on the flat table is about twice as fast as advanced indexing by a 2-D table.
         shape = (d, -1, kvh, self.head_dim)
-        kd = m.workspace.gather_blocks("k", k_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
-        vd = m.workspace.gather_blocks("v", v_cache, m.decode_block_tables).view(shape)[:, :m.decode_kv_len].transpose(1, 2)
+        if m.decode_block_run is not None:   # consecutive blocks are one strided view: no copy
+            kd, vd = k_cache[m.decode_block_run].view(shape), v_cache[m.decode_block_run].view(shape)
+        else:
+            kd = m.workspace.gather_blocks("k", k_cache, m.decode_block_tables).view(shape)
+            vd = m.workspace.gather_blocks("v", v_cache, m.decode_block_tables).view(shape)
+        kd, vd = kd[:, :m.decode_kv_len].transpose(1, 2), vd[:, :m.decode_kv_len].transpose(1, 2)
         # A 16-bit cache under wider queries: one query per request, so narrow the query instead
         # of widening the context, whose bytes are what a decode step pays for.
         o = F.scaled_dot_product_attention(qd.to(kd.dtype), kd, vd, attn_mask=m.decode_mask, scale=self.scale)
