@@ -26,3 +26,22 @@ def test_throughput_serves_every_requested_token(tiny_llama_dir, tmp_path):
     assert abs(result["rackserve"]["processed_tok_s"] * result["rackserve"]["seconds"] - total) < 1e-6 * total
     assert result["ratio_vs_hf"] == result["hf"]["seconds"] / result["rackserve"]["seconds"]
     assert result["flops"] > 2 * total     # at least the two FLOPs per token of one parameter
+
+
+def test_peers_are_a_checked_list():
+    import argparse
+
+    import pytest
+
+    from rackserve.bench.offline import _peers
+    assert _peers("hf,llama.cpp") == ["hf", "llama.cpp"] and _peers("none") == [] and _peers("hf") == ["hf"]
+    with pytest.raises(argparse.ArgumentTypeError, match="vllm"):
+        _peers("hf,vllm")
+
+
+def test_the_llama_cpp_peer_refuses_a_checkpoint_that_is_not_gguf(tiny_llama_dir):
+    import pytest
+
+    from rackserve.bench.llama_cpp_peer import load_llama_cpp
+    with pytest.raises(ValueError, match="GGUF files only"):
+        load_llama_cpp(tiny_llama_dir, threads=1, n_ctx=64)
