@@ -32,6 +32,9 @@ def test_compiled_decode_gives_eager_greedy_tokens(tiny_llama_dir):
     assert decoder is not None and decoder.ready == {2}, "the size-2 graphs must have compiled"
     assert decoder.steps == 11, "every decode step (2 tokens, then 1 padded to 2) ran compiled"
     assert compiled == eager
+    # Each size and piece has a code object of its own, so dynamo never pools their graphs.
+    codes = {fn._torchdynamo_orig_callable.__code__ for fns in decoder._fns.values() for fn in fns}
+    assert len(codes) == 3 * len(decoder.sizes)
     assert [len(t) for t in compiled] == [12, 5]
 
 

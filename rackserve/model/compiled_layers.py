@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from typing import Any
 
 import torch
@@ -69,11 +70,14 @@ class CompiledDecoder:
         self.sizes = sorted(config.compile_sizes)
         self.device = device
         self.ready: set[int] = set()
-        # One compiled callable per size and piece: each sees one shape only, so none recompiles.
-        self._fns = {n: (torch.compile(_before_attention, dynamic=False, backend=config.backend),
-                         torch.compile(_before_attention, dynamic=False, backend=config.backend),
-                         torch.compile(_after_attention, dynamic=False, backend=config.backend))
-                     for n in self.sizes}
+        # One compiled function per size and piece, each with a code object of its own: dynamo keeps
+        # its graphs per code object, so shared code would check every size's guards on each
+        # call, and past 8 graphs (config.recompile_limit) would silently run eagerly.
+        def compiled(fn, tag: str):
+            code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+            return torch.compile(types.FunctionType(code, fn.__globals__), dynamic=False, backend=config.backend)
+        self._fns = {n: (compiled(_before_attention, f"first_{n}"), compiled(_before_attention, str(n)),
+                         compiled(_after_attention, str(n))) for n in self.sizes}
         self.compile_seconds: dict[int, float] = {}
         self.steps = 0                  # steps run compiled
         self._thread: threading.Thread | None = None
