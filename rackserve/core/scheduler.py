@@ -32,9 +32,11 @@ from rackserve.kv_transfer.base import create_kv_connector_scheduler
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, kv_cache_config: KVCacheConfig | None = None,
+                 dp_rank: int = 0):
         """`kv_cache_config`: the cache groups of a model with several kinds of cache (None: one
-        group of `num_kv_blocks` blocks)."""
+        group of `num_kv_blocks` blocks). `dp_rank`: the DP rank whose KV cache this plans for
+        (its KV connector serves and names that rank)."""
         assert config.model.max_model_len is not None, "resolve max_model_len first"
         self.max_model_len = config.model.max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -65,7 +67,7 @@ class Scheduler:
         self._drop_from_workers: set[str] = set()  # to tell the workers in the next step
         self._stats = SchedulerStats()
         self._failed: list[EngineCoreOutput] = []   # requests ended with an error, to report
-        self.connector = create_kv_connector_scheduler(config)
+        self.connector = create_kv_connector_scheduler(config, dp_rank)
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
 

@@ -26,8 +26,8 @@ class EngineCore:
         try:
             self.config = config.with_model_len(self.executor.model_max_len)
             # DP rank i's scheduler plans for DP rank i's KV cache, whose size may differ from others'.
-            self.schedulers = [Scheduler(self.config, n, self.executor.kv_cache_config)
-                               for n in self.executor.dp_num_kv_blocks]
+            self.schedulers = [Scheduler(self.config, n, self.executor.kv_cache_config, dp_rank)
+                               for dp_rank, n in enumerate(self.executor.dp_num_kv_blocks)]
         except ValueError:
             if executor is None:   # started here: its workers must not outlive the refusal
                 self.executor.shutdown()

@@ -108,7 +108,8 @@ class ModelRunner:
         # ranks) must run even with no tokens, or the peers' collectives would never match.
         self.forward_when_idle = self.groups.ep.world_size > self.groups.tp.world_size
         # Moves this rank's KV shard to and from peers (kv_transfer/); None without --kv-transfer-config.
-        self.kv_connector = create_kv_connector_worker(config, self.kv_cache, self.groups.tp.rank_in_group)
+        self.kv_connector = create_kv_connector_worker(config, self.kv_cache, self.groups.tp.rank_in_group,
+                                                       self.groups.dp.rank_in_group)
         self.transfer_reports = TPTransferReports(self.groups.tp.world_size)
         # Last, so that a background compile never races the KV cache's allocation.
         self.compiled = compile_decoder(self.model, config.compilation, self.device)

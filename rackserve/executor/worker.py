@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from rackserve.config import EngineConfig, KVEventsConfig
+from rackserve.config import EngineConfig, KVEventsConfig, KVTransferConfig
 
 # How long stopping workers waits for them to leave by themselves before SIGTERM, then SIGKILL.
 STOP_GRACE_S = 5.0
@@ -87,10 +87,14 @@ def worker_main(config: EngineConfig, rank: int, conn: Connection) -> None:
             torch.set_num_threads(max(1, torch.get_num_threads() // config.parallel.local_world_size))
         timer = CollectiveTimer()
         groups = init_distributed(config.parallel, rank, timer)
-        mismatch = config_mismatch(config, groups.world.broadcast_object(config))
+        rank0 = groups.world.broadcast_object(config)
+        mismatch = config_mismatch(config, rank0)
         # Every rank learns of a mismatch anywhere, so that node 0's error says what went wrong.
         if groups.world.min(0 if mismatch else 1) == 0:
             raise ValueError(mismatch or "a node was started with other engine flags than node 0 (its log says which)")
+        # The KV connector's settings are node 0's: its engine named the instance and chose the
+        # side channel ports once (KVTransferConfig.resolved), and every rank must serve those.
+        config = dataclasses.replace(config, kv_transfer=rank0.kv_transfer)
         runner = ModelRunner(config, groups=groups)
         info = runner.model_info
         leader = groups.tp.is_first_rank     # reports for its DP rank
@@ -129,7 +133,11 @@ def config_mismatch(mine: EngineConfig, rank0: EngineConfig) -> str | None:
         model = dataclasses.replace(c.model, model="", tokenizer="", served_model_name="")
         parallel = dataclasses.replace(c.parallel, node_rank=0)
         # KV events are published by node 0's engine alone: other nodes need not agree on them.
-        return dataclasses.asdict(dataclasses.replace(c, model=model, parallel=parallel, kv_events=KVEventsConfig()))
+        # A node names the same KV connector; its other settings (a port, the engine id each node
+        # resolved on its own) are node 0's, adopted by every rank.
+        kv_transfer = c.kv_transfer and KVTransferConfig(c.kv_transfer.kv_connector, c.kv_transfer.kv_role)
+        return dataclasses.asdict(dataclasses.replace(c, model=model, parallel=parallel, kv_events=KVEventsConfig(),
+                                                      kv_transfer=kv_transfer))
     a, b = comparable(mine), comparable(rank0)
     # An optional section (kv_transfer) may be None on both nodes: compare it whole.
     diff = [f"{section}.{key}: {b[section][key]!r} on node 0, {a[section][key]!r} here"

@@ -41,10 +41,11 @@ class KVConnectorOutput:
 class KVConnectorScheduler(ABC):
     """Scheduler side. Every method is called from the scheduler's thread, within one step."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
         assert config.kv_transfer is not None
         self.config = config
         self.transfer_config = config.kv_transfer
+        self.dp_rank = dp_rank   # the DP rank whose scheduler this is (each has its own KV cache)
 
     def validate_request(self, request: "Request") -> None:
         """Raise ValueError for kv_transfer_params this connector cannot follow (before queueing)."""
@@ -87,12 +88,14 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     """Worker side, beside one rank's KV cache (its shard under TP: rank r moves only its own,
-    to and from rank r of the peer). Called from the rank's step loop."""
+    to and from rank r of the peer; under DP each DP rank's workers move that DP rank's blocks).
+    Called from the rank's step loop."""
 
-    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
         self.config = config
         self.kv_cache = kv_cache
         self.tp_rank = tp_rank
+        self.dp_rank = dp_rank
 
     @abstractmethod
     def start_load_kv(self, metadata: Any) -> None:
@@ -135,17 +138,15 @@ def connector_class(config: EngineConfig, side: int) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def create_kv_connector_scheduler(config: EngineConfig) -> KVConnectorScheduler | None:
-    return None if config.kv_transfer is None else connector_class(config, 1)(config)
+def create_kv_connector_scheduler(config: EngineConfig, dp_rank: int = 0) -> KVConnectorScheduler | None:
+    return None if config.kv_transfer is None else connector_class(config, 1)(config, dp_rank)
 
 
-def create_kv_connector_worker(config: EngineConfig, kv_cache: Any, tp_rank: int = 0) -> KVConnectorWorker | None:
+def create_kv_connector_worker(config: EngineConfig, kv_cache: Any, tp_rank: int = 0,
+                               dp_rank: int = 0) -> KVConnectorWorker | None:
     if config.kv_transfer is None:
         return None
-    if config.parallel.data_parallel_size > 1 or config.parallel.nnodes > 1:
-        raise ValueError("KV connectors run on one machine and one DP rank per instance so far "
-                         "(tensor parallel instances are fine)")
-    return connector_class(config, 2)(config, kv_cache, tp_rank)
+    return connector_class(config, 2)(config, kv_cache, tp_rank, dp_rank)
 
 
 class TPTransferReports:

@@ -2,7 +2,8 @@
 
 The prefiller (a request with `kv_transfer_params: {"do_remote_decode": true}`) keeps the request's
 blocks when it finishes and hands back where they are (engine id, request id, block ids, side
-channel host and port). The decoder (`{"do_remote_prefill": true, ...those params}`) allocates
+channel host and port, and the DP rank that holds them: under data parallelism each DP rank has
+its own KV cache and serves its own side channel, so host and port lead to that rank's workers). The decoder (`{"do_remote_prefill": true, ...those params}`) allocates
 blocks for the prompt, pins the remote blocks over the side channel, reads them with one batched
 transfer-engine read (TCP here, RDMA where there is hardware), says "done", and only then lets the
 request run and its blocks be hit by others. The producer frees held blocks on "done", or when the
@@ -39,9 +40,18 @@ class MooncakeConnectorMetadata:
     holds: dict[str, list[int]] = field(default_factory=dict)   # producer: req id -> its blocks
 
 
-def side_channel_address(config: EngineConfig) -> tuple[str, int]:
+def side_channel_address(config: EngineConfig, dp_rank: int = 0, tp_rank: int = 0) -> tuple[str, int]:
+    """Where the rank (dp_rank, tp_rank) serves its side channel: the instance's port plus the
+    rank's global index (dp_rank * TP + tp_rank), on the address of the node that hosts it
+    (`side_channel_hosts`, one per node, for instances over several machines; else
+    `side_channel_host`)."""
     extra = config.kv_transfer.kv_connector_extra_config
-    return extra.get("side_channel_host", "127.0.0.1"), int(extra["side_channel_port"])
+    parallel = config.parallel
+    rank = dp_rank * parallel.tensor_parallel_size + tp_rank
+    hosts = extra.get("side_channel_hosts") or [extra.get("side_channel_host", "127.0.0.1")] * parallel.nnodes
+    if len(hosts) != parallel.nnodes:
+        raise ValueError(f"side_channel_hosts names {len(hosts)} nodes; the instance has nnodes={parallel.nnodes}")
+    return hosts[rank // parallel.local_world_size], int(extra["side_channel_port"]) + rank
 
 
 # What a decode request's `kv_transfer_params` must hold, and of which type. These come from the
@@ -73,10 +83,11 @@ def check_remote_params(params: dict, block_size: int) -> None:
 
 
 class MooncakeConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+        super().__init__(config, dp_rank)
         self.block_size = config.cache.block_size
-        self.host, self.port = side_channel_address(config)
+        # This DP rank's first TP rank: a decoder's TP rank r adds r (its peer rank's shard).
+        self.host, self.port = side_channel_address(config, dp_rank)
         self.engine_id = self.transfer_config.engine_id
         self.is_producer = self.transfer_config.kv_role in ("kv_producer", "kv_both")
         self.is_consumer = self.transfer_config.kv_role in ("kv_consumer", "kv_both")
@@ -144,4 +155,4 @@ class MooncakeConnectorScheduler(KVConnectorScheduler):
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
                       "remote_block_ids": block_ids, "remote_host": self.host, "remote_port": self.port,
-                      "remote_num_tokens": request.num_computed_tokens}
+                      "remote_dp_rank": self.dp_rank, "remote_num_tokens": request.num_computed_tokens}

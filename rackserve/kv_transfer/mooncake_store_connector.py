@@ -53,8 +53,8 @@ def open_store(config: EngineConfig, segment_bytes: int) -> Any:
 class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
     """Decides stores as the offloading tier does; looks hits up in the shared store."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+        super().__init__(config, dp_rank)
         self.fingerprint = kv_fingerprint(config)
         self.store = open_store(config, 0)
 
@@ -73,8 +73,8 @@ class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
 
 
 class MooncakeStoreConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
-        super().__init__(config, kv_cache, tp_rank)
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
+        super().__init__(config, kv_cache, tp_rank, dp_rank)
         extra = config.kv_transfer.kv_connector_extra_config
         self.store = open_store(config, int(extra.get("global_segment_size", 256 << 20)))
         self.fingerprint = kv_fingerprint(config)

@@ -27,8 +27,8 @@ class _Hold:
 
 
 class MooncakeConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
-        super().__init__(config, kv_cache, tp_rank)
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
+        super().__init__(config, kv_cache, tp_rank, dp_rank)
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -38,7 +38,7 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         extra = config.kv_transfer.kv_connector_extra_config
         self.lease_seconds = float(extra.get("lease_seconds", 30.0))
         self.transfer_timeout = float(extra.get("transfer_timeout", 10.0))
-        host, port = side_channel_address(config)
+        host, port = side_channel_address(config, dp_rank, tp_rank)
         assert kv_cache.is_contiguous(), "addresses are computed over one contiguous KV cache tensor"
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", extra.get("protocol", "tcp"), extra.get("device_name", "")):
@@ -60,8 +60,9 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         self._gone: deque[str] = deque(maxlen=10_000)   # released ids, so late readers stop retrying
         self._out = KVConnectorOutput()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
-        # TP rank r serves on port + r, and reads from the peer's rank r there.
-        self.server = SideChannelServer(host, port + tp_rank, self._handle)
+        # Rank (d, r) serves on the instance's port + d * TP + r, and reads from the peer's TP
+        # rank r of the DP rank its orders name (their port + r).
+        self.server = SideChannelServer(host, port, self._handle)
 
     # -- producer -----------------------------------------------------------------------------
     def _handle(self, msg: dict) -> dict:

@@ -39,9 +39,9 @@ class MultiKVConnectorOutput(KVConnectorOutput):
 
 
 class MultiConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        self.children = [connector_class(c, 1)(c) for c in child_configs(config)]
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+        super().__init__(config, dp_rank)
+        self.children = [connector_class(c, 1)(c, dp_rank) for c in child_configs(config)]
         self._loader: dict[str, int] = {}   # req id -> the child loading it
 
     def validate_request(self, request: Request) -> None:
@@ -86,9 +86,9 @@ class MultiConnectorScheduler(KVConnectorScheduler):
 
 
 class MultiConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
-        super().__init__(config, kv_cache, tp_rank)
-        self.children = [connector_class(c, 2)(c, kv_cache, tp_rank) for c in child_configs(config)]
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
+        super().__init__(config, kv_cache, tp_rank, dp_rank)
+        self.children = [connector_class(c, 2)(c, kv_cache, tp_rank, dp_rank) for c in child_configs(config)]
 
     def start_load_kv(self, metadata: list[Any] | None) -> None:
         for child, meta in zip(self.children, metadata or [None] * len(self.children)):

@@ -33,11 +33,11 @@ class OffloadingMetadata:
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+        super().__init__(config, dp_rank)
         self.block_size = config.cache.block_size
         self.held: set[int] = set()             # hashes the tier holds, as last reported
-        path = disk_dir(config)
+        path = disk_dir(config, 0, dp_rank)
         if path and os.path.isdir(path):   # what a previous run alike left on disk
             self.held.update(disk_blocks(path))
         self._stored_upto: dict[str, int] = {}  # req id -> leading blocks already sent to the tier
@@ -85,10 +85,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self.held -= set(out.removed_hashes)
 
 
-def disk_dir(config: EngineConfig, tp_rank: int = 0) -> str | None:
-    """A TP rank's tier directory, under the KV fingerprint (kv_transfer/fingerprint.py)."""
+def disk_dir(config: EngineConfig, tp_rank: int = 0, dp_rank: int = 0) -> str | None:
+    """A rank's tier directory, under the KV fingerprint (kv_transfer/fingerprint.py). Each DP
+    rank has a tier of its own (its scheduler mirrors what its tier holds): `dp<d>/` under DP."""
     path = config.kv_transfer.kv_connector_extra_config.get("disk_path")
-    return os.path.join(path, kv_fingerprint(config), f"tp{tp_rank}") if path else None
+    if not path:
+        return None
+    rank = f"dp{dp_rank}/tp{tp_rank}" if config.parallel.data_parallel_size > 1 else f"tp{tp_rank}"
+    return os.path.join(path, kv_fingerprint(config), rank)
 
 
 def disk_blocks(path: str) -> list[int]:
@@ -98,8 +102,8 @@ def disk_blocks(path: str) -> list[int]:
 
 
 class OffloadingConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0):
-        super().__init__(config, kv_cache, tp_rank)
+    def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
+        super().__init__(config, kv_cache, tp_rank, dp_rank)
         import torch
         extra = config.kv_transfer.kv_connector_extra_config
         block = kv_cache[:, :, 0]   # [layers, K/V or latent, block_size, heads, head_size]
@@ -110,7 +114,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._free_slots = list(range(num_cpu))
         self._cpu: OrderedDict[int, int] = OrderedDict()   # hash -> host slot, least recently used first
         self._disk: OrderedDict[int, None] = OrderedDict()
-        self.disk_dir = disk_dir(config, tp_rank)
+        self.disk_dir = disk_dir(config, tp_rank, dp_rank)
         self.num_disk = 0
         self._out = KVConnectorOutput()
         if self.disk_dir:
