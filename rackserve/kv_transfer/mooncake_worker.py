@@ -16,7 +16,7 @@ from rackserve.config import EngineConfig
 from rackserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from rackserve.kv_transfer.fingerprint import kv_fingerprint
 from rackserve.kv_transfer.mooncake_connector import LoadOrder, MooncakeConnectorMetadata, side_channel_address
-from rackserve.kv_transfer.side_channel import SideChannelClient, SideChannelServer
+from rackserve.kv_transfer.side_channel import SideChannelClient, SideChannelPool, SideChannelServer
 
 
 @dataclass
@@ -60,6 +60,7 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         self._gone: deque[str] = deque(maxlen=10_000)   # released ids, so late readers stop retrying
         self._out = KVConnectorOutput()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-load")
+        self._channels = SideChannelPool(self.transfer_timeout)   # kept open across pulls
         # Rank (d, r) serves on the instance's port + d * TP + r, and reads from the peer's TP
         # rank r of the DP rank its orders name (their port + r).
         self.server = SideChannelServer(host, port, self._handle)
@@ -115,11 +116,8 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         start = time.monotonic()
         ok = False
         try:
-            client = SideChannelClient(order.remote_host, order.remote_port + self.tp_rank, self.transfer_timeout)
-            try:
+            with self._channels.connection(order.remote_host, order.remote_port + self.tp_rank) as client:
                 ok = self._pull(client, order)
-            finally:
-                client.close()
         except Exception:   # noqa: BLE001 - any failure is a failed load; the scheduler decides
             ok = False
         with self._lock:
@@ -134,7 +132,9 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         if not order.local_block_ids:
             client.call({"op": "done", "req_id": order.remote_request_id})
             return True
-        peer = client.call({"op": "handshake"})
+        if client.peer is None:   # once per connection: a restarted producer is a new connection
+            client.peer = client.call({"op": "handshake"})
+        peer = client.peer
         if any(peer[k] != v for k, v in self.layout.items()):
             raise ValueError(f"the producer's KV layout {peer} differs from ours {self.layout}")
         deadline = time.monotonic() + self.transfer_timeout
@@ -176,3 +176,4 @@ class MooncakeConnectorWorker(KVConnectorWorker):
     def shutdown(self) -> None:
         self.server.shutdown()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._channels.close()

@@ -1,17 +1,21 @@
 """The side channel between a KV producer and its consumers: one JSON object a line over TCP, one
 reply per request. It carries only small control messages (handshake, pin, done); KV bytes go over
-the transfer engine.
+the transfer engine. A consumer keeps its connections to each producer open and reuses them across
+pulls (SideChannelPool): a pull costs its round trips, not a TCP connection's setup and teardown.
 
-This file owns the wire format and the threaded server. It must never touch KV tensors or decide
-what a message means (the connector's handler does).
+This file owns the wire format, the threaded server and the consumer's connection pool. It must
+never touch KV tensors or decide what a message means (the connector's handler does).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
 import socketserver
 import threading
-from typing import Callable
+from collections.abc import Iterator
+from typing import Any, Callable
 
 Handler = Callable[[dict], dict]
 
@@ -20,7 +24,22 @@ class SideChannelServer:
     """Serves `handler(message) -> reply` on host:port (port 0: a free one) from a daemon thread."""
 
     def __init__(self, host: str, port: int, handler: Handler):
+        open_conns: set[socket.socket] = set()
+        self._conns, self._conns_lock = open_conns, threading.Lock()
+        lock = self._conns_lock
+
         class _Conn(socketserver.StreamRequestHandler):
+            def setup(self) -> None:
+                super().setup()
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with lock:
+                    open_conns.add(self.connection)
+
+            def finish(self) -> None:
+                with lock:
+                    open_conns.discard(self.connection)
+                super().finish()
+
             def handle(self) -> None:
                 for line in self.rfile:
                     try:
@@ -41,14 +60,31 @@ class SideChannelServer:
         if self._thread.is_alive():
             self._server.shutdown()
             self._server.server_close()
+        # Consumers hold connections open: end them, so they hear this producer is gone (EOF)
+        # instead of asking a handler whose connector has shut down.
+        with self._conns_lock:
+            for conn in list(self._conns):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
 
 
 class SideChannelClient:
-    """One connection to a producer's side channel; not thread-safe (one per transfer thread)."""
+    """One connection to a producer's side channel; not thread-safe (one thread uses it at a
+    time). `peer` caches the producer's handshake reply for the connection's life."""
 
     def __init__(self, host: str, port: int, timeout: float):
         self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._file = self._sock.makefile("rwb")
+        self.peer: dict[str, Any] | None = None
+
+    def is_stale(self) -> bool:
+        """The producer closed the connection while it sat idle (restarted, shut down): readable
+        with nothing asked means EOF (or a stray byte; either way it is not to be reused)."""
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
 
     def call(self, message: dict) -> dict:
         self._file.write(json.dumps(message).encode() + b"\n")
@@ -64,3 +100,45 @@ class SideChannelClient:
     def close(self) -> None:
         self._file.close()
         self._sock.close()
+
+
+class SideChannelPool:
+    """A consumer's idle connections, per producer address, reused across pulls; thread-safe.
+    A connection that failed during a pull is closed, never returned (its stream may be out of
+    step); one the producer closed while idle is dropped when next taken."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._idle: dict[tuple[str, int], list[SideChannelClient]] = {}
+        self._lock = threading.Lock()
+        self.opened = 0   # connections made so far (tests and benchmarks read it)
+
+    @contextlib.contextmanager
+    def connection(self, host: str, port: int) -> Iterator[SideChannelClient]:
+        client = self._take((host, port))
+        try:
+            yield client
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            self._idle.setdefault((host, port), []).append(client)
+
+    def _take(self, address: tuple[str, int]) -> SideChannelClient:
+        while True:
+            with self._lock:
+                idle = self._idle.get(address)
+                client = idle.pop() if idle else None
+                self.opened += client is None
+            if client is None:
+                return SideChannelClient(*address, self.timeout)
+            if not client.is_stale():
+                return client
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            clients = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for client in clients:
+            client.close()
