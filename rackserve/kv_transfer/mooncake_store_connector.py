@@ -73,14 +73,31 @@ class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
 
 
 class MooncakeStoreConnectorWorker(KVConnectorWorker):
+    """Moves blocks without Python bytes: the KV cache and a staging buffer are registered with
+    the store's client; gets land straight in the KV cache's blocks (one range per layer and
+    tensor), puts go from the staging copy of a block (the step's blocks may be rewritten before
+    the background put runs). A key's value is the block's (layer, tensor) planes in order."""
+
     def __init__(self, config: EngineConfig, kv_cache: Any, tp_rank: int = 0, dp_rank: int = 0):
         super().__init__(config, kv_cache, tp_rank, dp_rank)
+        import torch
         extra = config.kv_transfer.kv_connector_extra_config
         self.store = open_store(config, int(extra.get("global_segment_size", 256 << 20)))
         self.fingerprint = kv_fingerprint(config)
+        assert kv_cache.is_contiguous(), "addresses are computed over one contiguous KV cache tensor"
         block = kv_cache[:, :, 0]
         self.block_shape, self.dtype = tuple(block.shape), block.dtype
         self.block_bytes = block.numel() * block.element_size()
+        self.num_planes, self.num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
+        self.plane_bytes = self.block_bytes // self.num_planes
+        # Bounded staging for puts (`store_staging_bytes`): a burst beyond it is not pooled, and
+        # the step never waits for room.
+        slots = max(1, int(extra.get("store_staging_bytes", 64 << 20)) // self.block_bytes)
+        self.staging = torch.empty((slots, *self.block_shape), dtype=self.dtype)
+        self._free_slots = list(range(slots))
+        for tensor in (kv_cache, self.staging):
+            if self.store.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size()):
+                raise RuntimeError("Mooncake's store could not register the KV cache or its staging buffer")
         self._lock = threading.Lock()
         self._out = KVConnectorOutput()
         # One thread: the store's client sees one call at a time, puts and gets in order.
@@ -93,18 +110,18 @@ class MooncakeStoreConnectorWorker(KVConnectorWorker):
         for req_id, pairs in (metadata.loads.items() if metadata else ()):
             self._thread.submit(self._load, req_id, pairs)
 
+    def _planes(self, block_id: int) -> list[int]:
+        base = self.kv_cache.data_ptr()
+        return [base + (plane * self.num_blocks + block_id) * self.plane_bytes for plane in range(self.num_planes)]
+
     def _load(self, req_id: str, pairs: list[tuple[int, int]]) -> None:
-        import torch
         start = time.monotonic()
-        ok = True
         try:
-            for block_hash, block_id in pairs:
-                data = self.store.get(self._key(block_hash))
-                if len(data) != self.block_bytes:   # evicted meanwhile, or the pool is gone
-                    ok = False
-                    break
-                block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
-                self.kv_cache[:, :, block_id].copy_(block)
+            got = self.store.batch_get_into_multi_buffers(
+                [self._key(h) for h, _ in pairs], [self._planes(b) for _, b in pairs],
+                [[self.plane_bytes] * self.num_planes] * len(pairs))
+            # Bytes read per key; less (evicted meanwhile) or negative (the pool is gone) is a miss.
+            ok = all(n == self.block_bytes for n in got)
         except Exception:   # noqa: BLE001 - a failed load; the scheduler recomputes or fails it
             ok = False
         with self._lock:
@@ -115,24 +132,35 @@ class MooncakeStoreConnectorWorker(KVConnectorWorker):
                 self._out.stats.load_seconds.append(time.monotonic() - start)
 
     def save_kv(self, metadata: OffloadingMetadata | None) -> None:
-        """Copy the step's new full blocks out now (their blocks may be reused next step); put
-        them from the store thread."""
-        import torch
+        """Copy the step's new full blocks to staging now (their blocks may be reused next step);
+        put them from the store thread, in one batch."""
+        staged = []
         for block_hash, block_id in (metadata.stores if metadata else ()):
-            data = self.kv_cache[:, :, block_id].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            self._thread.submit(self._put, block_hash, data)
-
-    def _put(self, block_hash: int, data: bytes) -> None:
-        start = time.monotonic()
-        try:
-            status = self.store.put(self._key(block_hash), data)
-        except Exception:   # noqa: BLE001 - a store that failed is a block not pooled, nothing worse
-            return
-        if status == 0:
             with self._lock:
-                self._out.stored_hashes.append(block_hash)
-                self._out.stats.blocks += 1
-                self._out.stats.bytes += len(data)
+                if not self._free_slots:
+                    break
+                slot = self._free_slots.pop()
+            self.staging[slot].copy_(self.kv_cache[:, :, block_id])
+            staged.append((block_hash, slot))
+        if staged:
+            self._thread.submit(self._put, staged)
+
+    def _put(self, staged: list[tuple[int, int]]) -> None:
+        start = time.monotonic()
+        base = self.staging.data_ptr()
+        try:
+            statuses = self.store.batch_put_from([self._key(h) for h, _ in staged],
+                                                 [base + slot * self.block_bytes for _, slot in staged],
+                                                 [self.block_bytes] * len(staged))
+        except Exception:   # noqa: BLE001 - a store that failed is a block not pooled, nothing worse
+            statuses = [-1] * len(staged)
+        with self._lock:
+            self._free_slots.extend(slot for _, slot in staged)
+            stored = [h for (h, _), status in zip(staged, statuses) if status == 0]
+            self._out.stored_hashes += stored
+            self._out.stats.blocks += len(stored)
+            self._out.stats.bytes += len(stored) * self.block_bytes
+            if stored:
                 self._out.stats.store_seconds.append(time.monotonic() - start)
 
     def get_finished(self) -> KVConnectorOutput:
