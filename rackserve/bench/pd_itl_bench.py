@@ -1,0 +1,203 @@
+"""`rackserve bench pd-itl`: the decode-latency goal of prefill/decode disaggregation, measured on
+its own. Decode lanes stream short-prompt completions back to back; the decoder's inter-token
+latency (ITL: the gaps between a stream's chunks after its first) is measured once with only
+those lanes running ("decode-only") and once while long prompts arrive at a fixed interval
+("mixed"). The same two phases run, in the same invocation and with the same threads per
+instance, against 1 prefill + 1 decode instance behind `rackserve proxy` ("pd") and against one
+colocated instance ("colocated"). The goal (issue 8): the decoder's P90 ITL under mixed load
+within 1.5x of its decode-only P90 ITL.
+
+This file starts and stops the instances it measures and measures only; it never serves.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from rackserve.serve.cli import register_subcommand
+
+GOAL = 1.5
+
+
+def _start(cmd: list[str], threads: int, log_dir: str, name: str) -> tuple[subprocess.Popen, str]:
+    from rackserve.distributed.parallel_state import free_port
+    port = free_port()
+    log = open(os.path.join(log_dir, f"{name}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "rackserve.serve.cli", *cmd, "--port", str(port),
+                             "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], timeout: float = 300.0) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    for proc, url in zip(procs, urls):
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited with {proc.returncode} while starting")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} not healthy within {timeout} s")
+            time.sleep(0.5)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[list[subprocess.Popen], str]:
+    """The setup's processes (front last) and the URL the load goes to."""
+    engine = ["serve", "--model", args.model, "--max-model-len", str(args.max_model_len), *args.engine_args.split()]
+    if setup == "colocated":
+        proc, url = _start(engine, args.threads, log_dir, "colocated")
+        _wait_healthy([proc], [url])
+        return [proc], url
+    procs, urls = [], []
+    for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+        config = {"kv_connector": "MooncakeConnector", "kv_role": role}
+        proc, url = _start([*engine, "--kv-transfer-config", json.dumps(config)], args.threads, log_dir, name)
+        procs.append(proc)
+        urls.append(url)
+    _wait_healthy(procs, urls)
+    proxy, url = _start(["proxy", "--prefill", urls[0], "--decode", urls[1]], 1, log_dir, "proxy")
+    procs.append(proxy)
+    _wait_healthy([proxy], [url])
+    return procs, url
+
+
+async def _stream(http, url: str, model: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Chunk arrival times of one streamed completion."""
+    times = []
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0}
+    async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                times.append(time.perf_counter())
+    return times
+
+
+async def run_phase(url: str, model: str, args: argparse.Namespace, mixed: bool, rng: random.Random) -> dict:
+    """Decode lanes for args.duration seconds (plus long prompts when `mixed`): their ITLs."""
+    import httpx
+    itls: list[float] = []
+    long_done: list[float] = []
+    end = time.perf_counter() + args.duration
+
+    def prompt(n: int) -> list[int]:   # fresh tokens: no prefix hit anywhere
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
+        async def lane() -> None:
+            while time.perf_counter() < end:
+                times = await _stream(http, url, model, prompt(args.decode_prompt_tokens), args.decode_tokens)
+                # Every gap of a stream started in the phase, those after its end too: a stall
+                # that straddles the end still counts.
+                itls.extend(b - a for a, b in zip(times[1:], times[2:]))
+
+        async def long_prompt() -> None:
+            start = time.perf_counter()
+            reply = await http.post(url + "/v1/completions", json={
+                "model": model, "prompt": prompt(args.long_prompt_tokens), "max_tokens": args.long_output_tokens,
+                "ignore_eos": True, "temperature": 0.0})
+            reply.raise_for_status()
+            long_done.append(time.perf_counter() - start)
+
+        async def arrivals() -> list[asyncio.Task]:
+            tasks = []
+            while mixed and time.perf_counter() < end:
+                tasks.append(asyncio.create_task(long_prompt()))
+                await asyncio.sleep(args.long_interval)
+            return tasks
+
+        results = await asyncio.gather(arrivals(), *[lane() for _ in range(args.decode_lanes)])
+        await asyncio.gather(*results[0])
+    if len(itls) < 2:
+        raise RuntimeError(f"only {len(itls)} ITLs in {args.duration} s: lengthen --duration")
+    q = statistics.quantiles(itls, n=10)
+    return {"phase": "mixed" if mixed else "decode-only", "itl_count": len(itls),
+            "itl_p50_ms": statistics.median(itls) * 1e3, "itl_p90_ms": q[8] * 1e3,
+            "long_prompts": len(long_done),
+            "long_latency_p50_s": statistics.median(long_done) if long_done else None}
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rackserve.bench.limits import measure_limits
+    log_dir = tempfile.mkdtemp(prefix="rackserve-pd-itl-")
+    rows = []
+    for setup in args.setups.split(","):
+        procs, url = start_setup(setup, args, log_dir)
+        try:
+            import httpx
+            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            rng = random.Random(args.seed)
+            asyncio.run(run_phase(url, model, argparse.Namespace(**{**vars(args), "duration": 3.0}), False, rng))
+            for mixed in (False, True):
+                row = {"setup": setup, **asyncio.run(run_phase(url, model, args, mixed, rng))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            _stop(procs[::-1])
+    ratios = {}
+    for setup in {r["setup"] for r in rows}:
+        by = {r["phase"]: r for r in rows if r["setup"] == setup}
+        ratios[setup] = by["mixed"]["itl_p90_ms"] / by["decode-only"]["itl_p90_ms"]
+    return {"rows": rows, "p90_itl_mixed_over_decode_only": ratios, "goal": GOAL,
+            "goal_met": {s: r <= GOAL for s, r in ratios.items()}, "logs": log_dir,
+            "limits": measure_limits("cpu").__dict__}
+
+
+def _add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the model every instance serves")
+    parser.add_argument("--setups", default="pd,colocated", help="pd (1P+1D behind rackserve proxy), colocated")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per instance (OMP_NUM_THREADS)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--engine-args", default="", help="more flags for every instance, space-separated")
+    parser.add_argument("--decode-lanes", type=int, default=2, help="streams decoding at once")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode-lane request")
+    parser.add_argument("--long-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--long-output-tokens", type=int, default=4)
+    parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts (mixed)")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds per phase")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the results as JSON here")
+
+
+@register_subcommand("bench pd-itl", "decoder ITL with decodes only vs with long prompts arriving: P/D against "
+                     "colocated (the disaggregation goal)", _add_args)
+def _bench_pd_itl(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(f"{'setup':>10} {'phase':>12} {'ITL P50 ms':>10} {'ITL P90 ms':>10} {'ITLs':>6} {'long':>5}")
+    for r in result["rows"]:
+        print(f"{r['setup']:>10} {r['phase']:>12} {r['itl_p50_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} "
+              f"{r['itl_count']:>6} {r['long_prompts']:>5}")
+    for setup, ratio in result["p90_itl_mixed_over_decode_only"].items():
+        print(f"{setup}: P90 ITL mixed / decode-only = {ratio:.2f} (goal <= {GOAL}: "
+              f"{'met' if ratio <= GOAL else 'not met'})")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(),
+                       "load_average": os.getloadavg(), **result}, f, indent=2)
+        print(f"wrote {args.output}")
+    return 0
