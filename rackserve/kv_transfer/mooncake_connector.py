@@ -3,8 +3,8 @@
 The prefiller (a request with `kv_transfer_params: {"do_remote_decode": true}`) keeps the request's
 blocks when it finishes and hands back where they are (engine id, request id, block ids, side
 channel host and port, and the DP rank that holds them: under data parallelism each DP rank has
-its own KV cache and serves its own side channel, so host and port lead to that rank's workers). The decoder (`{"do_remote_prefill": true, ...those params}`) allocates
-blocks for the prompt, pins the remote blocks over the side channel, reads them with one batched
+its own KV cache and serves its own side channel, so host and port lead to that rank's workers).
+The decoder (`{"do_remote_prefill": true, ...those params}`) allocates blocks for the prompt, pins the remote blocks over the side channel, reads them with one batched
 transfer-engine read (TCP here, RDMA where there is hardware), says "done", and only then lets the
 request run and its blocks be hit by others. The producer frees held blocks on "done", or when the
 lease (`lease_seconds`, default 30) runs out with no reader, so a decoder that never comes leaks
