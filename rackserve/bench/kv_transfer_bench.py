@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
         writer = MooncakeStoreConnectorWorker(_config(tmp, "MooncakeStoreConnector", store_extra, args.block_size), source)
         reader = MooncakeStoreConnectorWorker(_config(tmp, "MooncakeStoreConnector", store_extra, args.block_size), target)
         workers = [producer, consumer, writer, reader]
+        side_channel = _side_channel_costs(producer, args.repeats)
         peer = _SocketPeer(source.numpy().tobytes()[:max(counts) * block_bytes])
         sink = bytearray(max(counts) * block_bytes)
         rows = []
@@ -140,7 +141,35 @@ def run(args: argparse.Namespace) -> dict:
             worker.shutdown()
         master.kill()
         master.wait()
-    return {"block_bytes": block_bytes, "kv_cache_shape": list(shape), "limits": limits.__dict__, "rows": rows}
+    return {"block_bytes": block_bytes, "kv_cache_shape": list(shape), "limits": limits.__dict__,
+            "side_channel": side_channel, "rows": rows}
+
+
+def _side_channel_costs(producer, repeats: int) -> dict:
+    """A pull's control messages alone: pin + done over a kept-open connection (what a pull pays
+    now), against opening a connection and handshaking (what each pull paid when it opened its own)."""
+    from rackserve.kv_transfer.mooncake_connector import MooncakeConnectorMetadata
+    from rackserve.kv_transfer.side_channel import SideChannelClient
+    host, port = producer.server.host, producer.server.port
+    kept = SideChannelClient(host, port, 10.0)
+    ids = iter(range(1 << 30))
+
+    def pin_done() -> None:
+        rid = f"sc-{next(ids)}"
+        producer.start_load_kv(MooncakeConnectorMetadata(holds={rid: [0]}))
+        assert kept.call({"op": "pin", "req_id": rid})["status"] == "pinned"
+        kept.call({"op": "done", "req_id": rid})
+        producer.get_finished()
+
+    def connect_handshake() -> None:
+        client = SideChannelClient(host, port, 10.0)
+        client.call({"op": "handshake"})
+        client.close()
+
+    out = {"pin_done_kept_open_ms": _median_ms(pin_done, max(repeats, 20)),
+           "connect_and_handshake_ms": _median_ms(connect_handshake, max(repeats, 20))}
+    kept.close()
+    return out
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +190,9 @@ def _bench_kv_transfer(args: argparse.Namespace) -> int:
     print(f"{limits['processor']}: memory read {limits['mem_read_gbps']:.1f} GB/s; block {result['block_bytes']} B")
     print(f"{'blocks':>6} {'MB':>7} {'P2P ms':>8} {'GB/s':>6} {'put ms':>8} {'get ms':>8} {'socket ms':>9} "
           f"{'GB/s':>6} {'P2P/socket':>10}")
+    sc = result["side_channel"]
+    print(f"side channel: pin + done over a kept-open connection {sc['pin_done_kept_open_ms']:.2f} ms; "
+          f"a new connection + handshake {sc['connect_and_handshake_ms']:.2f} ms")
     for r in result["rows"]:
         print(f"{r['blocks']:>6} {r['bytes'] / 1e6:>7.2f} {r['p2p_ms']:>8.2f} {r['p2p_gbps']:>6.2f} "
               f"{r['store_put_ms']:>8.2f} {r['store_get_ms']:>8.2f} {r['socket_ms']:>9.2f} {r['socket_gbps']:>6.2f} "
