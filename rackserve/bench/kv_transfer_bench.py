@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> dict:
                               stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     store_extra = {"master_server_address": f"127.0.0.1:{master_port}",
-                   # Every put of every row stays in the pool (the warm-up's too): a pool that had
-                   # to evict would turn later gets into misses.
-                   "global_segment_size": (args.repeats + 1) * sum(counts) * block_bytes + (64 << 20)}
+                   # Every put of every row stays in the pool (the warm-up's too), with room to
+                   # spare: a pool near its eviction watermark would turn later gets into misses.
+                   "global_segment_size": 2 * (args.repeats + 1) * sum(counts) * block_bytes + (64 << 20)}
     workers = []
     try:
         producer = MooncakeConnectorWorker(_config(tmp, "MooncakeConnector", {}, args.block_size), source)
