@@ -71,7 +71,6 @@ class RepeatedStep:
         """`group_block_sizes`: tokens per block of each KV cache group of a model with several
         (each request then gets a table per group, whole: a bench step gives no block back)."""
         rng = random.Random(seed)
-        blocks_per_req = point.num_blocks(block_size) // point.batch_size
         # Low ids are where tokenizers keep their special tokens.
         prompts = [[rng.randrange(min(256, vocab_size - 1), vocab_size) for _ in range(point.kv_len)]
                    for _ in range(point.batch_size)]
