@@ -59,3 +59,15 @@ def test_bench_comm_runs_dep_steps_and_profiles_each_rank(tiny_qwen3_moe_dir, tm
         # One request over 2 DP ranks: DP rank 1 runs its layers on no token and samples nothing.
         idle = r["batch_size"] == 1 and r["dp_rank"] == 1
         assert (profile["lm_head+sampling"] == 0) == idle
+
+
+def test_bench_comm_runs_a_model_with_kv_cache_groups(tmp_path):
+    """DeepSeek-V4 keeps one block table per cache group (window, csa, hca): the steps bench comm
+    builds carry a table per group, as bench forward's do."""
+    from tests.tiny_models import build_tiny_deepseek_v4
+    model = build_tiny_deepseek_v4(tmp_path / "dsv4")
+    out = tmp_path / "comm.json"
+    assert main(["bench", "comm", "--iters", "2", "--ops", "all_reduce", "--sizes", "256", "--model", model,
+                 "--steps", "2", "--batch-sizes", "2", "--output", str(out)]) == 0
+    steps = [r for r in json.loads(out.read_text())["rows"] if "step_ms" in r]
+    assert sorted(r["rank"] for r in steps) == [0, 1] and all(r["collective_calls"] > 0 for r in steps)

@@ -134,7 +134,7 @@ def _time_model_steps(spec: dict, groups, timer, rank: int) -> list[dict]:
     import dataclasses
     import functools
 
-    from rackserve.bench.forward_steps import ForwardPoint, LayerKindProfiler, RepeatedStep
+    from rackserve.bench.forward_steps import ForwardPoint, LayerKindProfiler, RepeatedStep, group_block_sizes
     from rackserve.config import EngineArgs
     from rackserve.executor.model_runner import ModelRunner
     new = 1 if spec["mode"] == "decode" else spec["new_tokens"]
@@ -154,8 +154,8 @@ def _time_model_steps(spec: dict, groups, timer, rank: int) -> list[dict]:
         runner.execute_model(step[dp_rank])
     rows = []
     for point in points:
-        steps = [RepeatedStep(point, config.cache.block_size, runner.model_info.vocab_size, 0, (r, dp))
-                 for r in range(dp)]
+        steps = [RepeatedStep(point, config.cache.block_size, runner.model_info.vocab_size, 0, (r, dp),
+                              group_block_sizes(runner.kv_cache_config)) for r in range(dp)]
         wall, inside = [], []
         for i in range(WARMUP_STEPS + spec["steps"]):
             timer.seconds, timer.calls = 0.0, 0

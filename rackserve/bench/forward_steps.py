@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rackserve.config import EngineConfig, ModelConfig
 from rackserve.core.outputs import NewRequestData, SchedulerOutput
@@ -96,6 +96,11 @@ class RepeatedStep:
         """The empty step that drops the last copy's requests, as a finished batch would be."""
         last = self.copies[(self.sent - 1) % 2]
         return SchedulerOutput([], [], {}, 0, finished_req_ids=set(last.num_scheduled_tokens))
+
+
+def group_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
+    """Tokens per block of each KV cache group of a model with several; () for one."""
+    return tuple(g.block_size for g in kv_cache_config.groups) if kv_cache_config else ()
 
 
 def _tables(j: int, kv_len: int, block_size: int, group_block_sizes: tuple[int, ...]) -> list[int] | tuple[list[int], ...]:
@@ -336,8 +341,7 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
     PROFILE_STEPS more steps per setting run with hooks (None where the runner is elsewhere)."""
     # One RepeatedStep per DP rank of each side: the point's batch is the total over them.
     steps = [[RepeatedStep(point, s.config.cache.block_size, s.executor.vocab_size, seed, (r, dp),
-                           tuple(g.block_size for g in s.executor.kv_cache_config.groups) if s.executor.kv_cache_config
-                           else ())
+                           group_block_sizes(s.executor.kv_cache_config))
               for r in range(dp)] for s in sides for dp in [len(s.executor.dp_num_kv_blocks)]]
     timings = [Timing(warmup_steps) for _ in sides]
     for _ in range(warmup_steps):
