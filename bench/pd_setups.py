@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 
-from rackserve.bench.pd_itl_bench import _start, _stop, _wait_healthy
+from rackserve.bench.pd_itl_bench import _start, _wait_healthy
+from rackserve.router.cluster import stop_instances
 from rackserve.distributed.parallel_state import free_port
 
 SERVE = ["serve", "--max-model-len", "8192"]
@@ -69,7 +70,7 @@ def main(setup: str, output: str, flags: list[str]) -> int:
                 print(worker, lines, flush=True)
         return rc
     finally:
-        _stop(procs[::-1])
+        stop_instances(procs[::-1])
         print("logs in", logs)
 
 

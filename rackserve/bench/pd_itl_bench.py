@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from rackserve.router.cluster import stop_instances, wait_healthy
 from rackserve.serve.cli import register_subcommand
 
 GOAL = 1.5
@@ -37,31 +38,10 @@ def _start(cmd: list[str], threads: int, log_dir: str, name: str) -> tuple[subpr
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], timeout: float = 300.0) -> None:
-    import httpx
-    deadline = time.monotonic() + timeout
-    for proc, url in zip(procs, urls):
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{url} exited with {proc.returncode} while starting")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} not healthy within {timeout} s")
-            time.sleep(0.5)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def _wait_healthy(procs: list[subprocess.Popen], urls: list[str]) -> None:
+    failure = wait_healthy(procs, urls)
+    if failure:
+        raise RuntimeError(failure)
 
 
 def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[list[subprocess.Popen], str]:
@@ -157,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
-            _stop(procs[::-1])
+            stop_instances(procs[::-1])
     ratios = {}
     for setup in {r["setup"] for r in rows}:
         by = {r["phase"]: r for r in rows if r["setup"] == setup}

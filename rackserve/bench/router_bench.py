@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from rackserve.config import EngineArgs
+from rackserve.router.cluster import wait_healthy
 from rackserve.serve.cli import register_subcommand
 
 POLICIES = "kv,round_robin,least_load,prefix"
@@ -51,24 +52,15 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rackserve.serve.cli", *args]
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
 def _router(urls: list[str], interval: float, *flags: str) -> tuple[subprocess.Popen, str]:
     from rackserve.distributed.parallel_state import free_port
     port = free_port()
     proc = subprocess.Popen(_cli("router", "--port", str(port), "--health-interval", str(interval), *flags, *[a for u in urls for a in ("--worker", u)]))
     url = f"http://127.0.0.1:{port}"
-    _wait(url, proc)
+    failure = wait_healthy([proc], [url])
+    if failure:
+        proc.kill()
+        raise RuntimeError(f"the router at {url}: {failure}")
     return proc, url
 
 
@@ -183,7 +175,7 @@ def added_latency(direct: str, router: str, model: str, n: int) -> dict:
                      _add_args)
 def run(args: argparse.Namespace) -> int:
     from rackserve.bench.limits import processor_name
-    from rackserve.router.cluster import start_instances, stop_instances, stop_on_sigterm, wait_healthy
+    from rackserve.router.cluster import start_instances, stop_instances, stop_on_sigterm
     from rackserve.router import BOTH
     stop_on_sigterm()
     procs, urls = start_instances(args, [BOTH] * args.instances)
