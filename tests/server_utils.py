@@ -49,6 +49,18 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
         proc.kill()
 
 
+def stop_all(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM every process, then wait for each (killed either way; a wait past `timeout`
+    raises, so a child that ignores SIGTERM fails the test)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            proc.kill()
+
+
 def scrape_metrics(url: str) -> dict[str, float]:
     """A server's /metrics samples: name with its labels -> value."""
     samples: dict[str, float] = {}

@@ -11,10 +11,25 @@ import subprocess
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.server_utils import scrape_metrics, start_command
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[str, str]:
+    """(model dir, tokenizer dir): one tiny Llama for every cluster here."""
+    root = tmp_path_factory.mktemp("cluster")
+    model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=512, max_position_embeddings=512)
+    save_test_tokenizer(str(root / "tok"), 512)
+    return model, str(root / "tok")
+
+
+def child_pids(log: str) -> list[int]:
+    """The pids `rackserve cluster` printed for the processes it started."""
+    return [int(p) for p in re.findall(r"\(pid (\d+)", log)]
 
 
 def start_cluster(model: str, tokenizer: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -35,16 +50,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tmp_path):
-    model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", vocab_size=512, max_position_embeddings=512)
-    save_test_tokenizer(str(tmp_path / "tok"), 512)
-    proc, url = start_cluster(model, str(tmp_path / "tok"), tmp_path / "cluster.log")
+def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tiny, tmp_path):
+    model, tokenizer = tiny
+    proc, url = start_cluster(model, tokenizer, tmp_path / "cluster.log")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0.0,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
-        pids = [int(p) for p in re.findall(r"\(pid (\d+),", (tmp_path / "cluster.log").read_text())]
+        pids = child_pids((tmp_path / "cluster.log").read_text())
         assert len(pids) == 2
         os.kill(pids[0], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
@@ -55,12 +69,11 @@ def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tmp_path):
             proc.kill()
 
 
-def test_sigint_stops_the_cluster_and_every_instance(tmp_path):
-    model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", vocab_size=512, max_position_embeddings=512)
-    save_test_tokenizer(str(tmp_path / "tok"), 512)
-    proc, url = start_cluster(model, str(tmp_path / "tok"), tmp_path / "cluster.log")
+def test_sigint_stops_the_cluster_and_every_instance(tiny, tmp_path):
+    model, tokenizer = tiny
+    proc, url = start_cluster(model, tokenizer, tmp_path / "cluster.log")
     try:
-        pids = [int(p) for p in re.findall(r"\(pid (\d+),", (tmp_path / "cluster.log").read_text())]
+        pids = child_pids((tmp_path / "cluster.log").read_text())
         proc.send_signal(signal.SIGINT)   # Ctrl-C reaches the cluster alone here (no terminal)
         assert proc.wait(timeout=60) == 0
         assert not any(alive(pid) for pid in pids)
@@ -69,18 +82,17 @@ def test_sigint_stops_the_cluster_and_every_instance(tmp_path):
             proc.kill()
 
 
-def test_a_prefill_decode_cluster_with_the_kv_pool_answers_and_stops_clean(tmp_path):
-    model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", vocab_size=512, max_position_embeddings=512)
-    save_test_tokenizer(str(tmp_path / "tok"), 512)
+def test_a_prefill_decode_cluster_with_the_kv_pool_answers_and_stops_clean(tiny, tmp_path):
+    model, tokenizer = tiny
     proc, url = start_command(["cluster", "--prefill", "1", "--decode", "1", "--kv-pool", "--kv-pool-segment-bytes",
                                str(16 << 20), "--pd-threshold-tokens", "16", "--model", model, "--tokenizer",
-                               str(tmp_path / "tok"), "--served-model-name", "tiny", "--device", "cpu",
+                               tokenizer, "--served-model-name", "tiny", "--device", "cpu",
                                "--max-model-len", "512", "--num-gpu-blocks-override", "128", "--block-size", "4",
                                "--threads", "2", "--health-interval", "0.3"], tmp_path / "cluster.log")
     try:
         log = (tmp_path / "cluster.log").read_text()
         assert "prefill instance 0" in log and "decode instance 1" in log and "KV pool master" in log
-        pids = [int(p) for p in re.findall(r"\(pid (\d+)", log)]
+        pids = child_pids(log)
         assert len(pids) == 3
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model="tiny", prompt="a prompt long enough to prefill elsewhere " * 4,

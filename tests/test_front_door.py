@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import start_command, start_server
+from tests.server_utils import start_command, start_server, stop_all
 from tests.test_server_hardening import COMP, HOSTILE, MAX_MODEL_LEN, MODEL, VOCAB
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
@@ -38,10 +38,7 @@ def fronts(tmp_path_factory):
             procs.append(proc)
         yield urls
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
+        stop_all(procs)
 
 
 @pytest.mark.parametrize("front", ["router", "proxy"])

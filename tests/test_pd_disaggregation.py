@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric_totals, start_command, start_server
+from tests.server_utils import metric_totals, start_command, start_server, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -55,13 +55,7 @@ def cluster(tmp_path_factory):
         procs.append(proc)
         yield {**urls, "base": base, "root": root}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            finally:
-                proc.kill()
+        stop_all(procs)
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server
+from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -51,13 +51,7 @@ def pd(tmp_path_factory):
         procs.append(router)
         yield {"prefill": [p0, p1], "decode": d, "router": url, "procs": procs}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            finally:
-                proc.kill()
+        stop_all(procs)
 
 
 def _client(url: str) -> openai.OpenAI:
