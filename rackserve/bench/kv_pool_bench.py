@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import sys
 import time
 
+from rackserve.bench.record import write_record
 from rackserve.serve.cli import register_subcommand
 
 
@@ -102,8 +101,5 @@ def _bench_kv_pool(args: argparse.Namespace) -> int:
           f"hit rate after turn 1 {result['hit_rate']:.1%}, TTFT P50 {result['ttft_p50_ms']:.0f} ms, "
           f"P90 {result['ttft_p90_ms']:.0f} ms")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), "label": args.label,
-                       "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), **result}, f, indent=2)
-        print(f"wrote {args.output}")
+        write_record(args.output, result, label=args.label)
     return 0

@@ -10,17 +10,16 @@ Blocks have the geometry of a real model's KV cache (SmolLM2-135M by default: 30
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
+from rackserve.bench.record import write_record
 from rackserve.serve.cli import register_subcommand
 
 
@@ -200,8 +199,5 @@ def _bench_kv_transfer(args: argparse.Namespace) -> int:
               f"{r['store_put_ms']:>8.2f} {r['store_get_ms']:>8.2f} {r['socket_ms']:>9.2f} {r['socket_gbps']:>6.2f} "
               f"{r['p2p_vs_socket']:>10.2f}")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(),
-                       "load_average": os.getloadavg(), **result}, f, indent=2)
-        print(f"wrote {args.output}")
+        write_record(args.output, result)
     return 0

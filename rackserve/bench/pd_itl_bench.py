@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from rackserve.router.cluster import stop_instances, wait_healthy
+from rackserve.bench.record import write_record
 from rackserve.serve.cli import register_subcommand
 
 GOAL = 1.5
@@ -176,8 +177,5 @@ def _bench_pd_itl(args: argparse.Namespace) -> int:
         print(f"{setup}: P90 ITL mixed / decode-only = {ratio:.2f} (goal <= {GOAL}: "
               f"{'met' if ratio <= GOAL else 'not met'})")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(),
-                       "load_average": os.getloadavg(), **result}, f, indent=2)
-        print(f"wrote {args.output}")
+        write_record(args.output, result)
     return 0
