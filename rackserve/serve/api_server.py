@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: routes, request parsing, error bodies, and running uvicorn
-around one AsyncEngine.
+"""The OpenAI-compatible HTTP app: routes, request parsing and error bodies around one
+AsyncEngine (serve/launch.py runs it under uvicorn).
 
 This file owns the HTTP contract: every refused request gets a 4xx with an OpenAI error body
 and the server keeps serving (413 past --max-request-body-bytes, 429 with Retry-After when the
@@ -9,15 +9,11 @@ aborts its engine requests. It must never sample, schedule or shape completion b
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import signal
-import sys
 from typing import Any, AsyncIterator, Awaitable
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,7 +21,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rackserve import __version__
-from rackserve.config import EngineArgs
 from rackserve.engine.async_engine import AsyncEngine
 from rackserve.engine.kv_event_publisher import KVEventPublisher
 from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
@@ -242,106 +237,3 @@ async def _respond(raw: Request, handler: Awaitable[BaseModel | AsyncIterator[st
 
 def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
-
-
-def run_server(args: argparse.Namespace) -> None:
-    """Loads the model and serves until SIGINT/SIGTERM, then drains (see _Server) and exits 0.
-    `args` holds the engine flags plus host, port, uvicorn_log_level, api_key and
-    shutdown_timeout (see `rackserve serve`).
-    If the engine dies (a step raised, a worker died) the server stops too and this raises
-    SystemExit(1), so that whatever supervises it sees the failure."""
-    engine_args = EngineArgs.from_cli_args(args)
-    limits = ServerLimits.from_cli_args(args)
-    config = engine_args.create_engine_config()
-    stat_logger = PrometheusStatLogger(config.model.served_model_name)
-    kv_publisher = None
-    if config.kv_events is not None and config.kv_events.enable_kv_cache_events:
-        kv_publisher = KVEventPublisher(config.kv_events, config.parallel.data_parallel_size)
-    try:
-        engine = AsyncEngine(engine_args, stat_loggers=[stat_logger] + ([kv_publisher] if kv_publisher else []),
-                             max_waiting_requests=limits.max_waiting_requests)
-    except BaseException:
-        if kv_publisher is not None:
-            kv_publisher.shutdown()
-        raise
-    try:
-        app = build_app(engine, stat_logger, limits, args.api_key, kv_publisher)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=3)
-        # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
-        # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            died = asyncio.run(_serve(_Server(config, engine, app.state.admission, args.shutdown_timeout), engine))
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    finally:
-        engine.shutdown()
-        if kv_publisher is not None:
-            kv_publisher.shutdown()
-    if died is not None:
-        print(f"rackserve serve: {died}; exiting", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, draining before it shuts down (SIGINT/SIGTERM): new requests get 503
-    (/health too, so load balancers stop routing here) while those in flight run to their end for
-    up to `shutdown_timeout` s (a second signal cuts that short). Then the engine stops, which ends
-    what is left at once (a stream with an error event and [DONE]) instead of holding uvicorn's
-    own grace period and being cancelled mid-response."""
-
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, admission: Admission,
-                 shutdown_timeout: float) -> None:
-        super().__init__(config)
-        self.engine, self.admission, self.shutdown_timeout = engine, admission, shutdown_timeout
-
-    async def shutdown(self, sockets: list | None = None) -> None:
-        if self.admission.in_flight:
-            logger.info("draining %d request(s) for up to %s s", self.admission.in_flight, self.shutdown_timeout)
-        left = await self.admission.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
-        if left:
-            logger.warning("aborting %d request(s) still in flight at shutdown", left)
-        self.engine.shutdown()
-        await super().shutdown(sockets)
-
-
-def kv_groups_line(engine: AsyncEngine) -> str:
-    """The startup banner's line on a model with several KV cache groups: bytes per token per kind."""
-    from rackserve.executor.kv_groups import describe
-    kv_config = engine.engine.core.executor.kv_cache_config
-    return "" if kv_config is None else f"  KV cache groups: {describe(kv_config)}\n"
-
-
-async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError | None:
-    """Runs the server until it is told to stop, or until the engine dies (returns why)."""
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        url = f"http://{server.config.host}:{server.config.port}"
-        body = json.dumps({"model": engine.config.model.served_model_name,
-                           "messages": [{"role": "user", "content": "Hello!"}]})
-        m = engine.config.model
-        print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
-              f"(metrics at {url}/metrics)\n"
-              f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
-              f"{kv_groups_line(engine)}"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-              flush=True)
-    died = None
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        # Before a requested shutdown the engine only stops by dying; it has already failed the
-        # requests in flight, and cannot serve again.
-        if died is None and not server.should_exit:
-            try:
-                engine.check_health()
-            except EngineDeadError as e:
-                logger.error("%s; stopping the server", e)
-                died, server.should_exit = e, True
-    await task
-    if died is None and engine.failure is not None:   # it died while draining: still a failure
-        died = EngineDeadError(f"the engine failed: {engine.failure!r}")
-    return died

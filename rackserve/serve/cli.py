@@ -115,7 +115,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 @register_subcommand("serve", "serve the OpenAI-compatible API over HTTP", _add_serve_args)
 def _serve(args: argparse.Namespace) -> None:
-    from rackserve.serve.api_server import run_server
+    from rackserve.serve.launch import run_server
     with _user_errors("serve"):
         run_server(args)
 
