@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20
 MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
 
 .PHONY: serve test install cluster
