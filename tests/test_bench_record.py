@@ -1,10 +1,11 @@
-"""write_record: a results file carries the command that made it, the CPU count and the load
-average it ran under, beside the result and any extra fields."""
+"""write_record: a results file carries the command that made it, the CPU it ran on (model and
+features, as /proc/cpuinfo names them), the CPU count and the load average it ran under, beside the
+result and any extra fields."""
 from __future__ import annotations
 
 import json
 
-from rackserve.bench.record import write_record
+from rackserve.bench.record import cpu_name, write_record
 
 
 def test_write_record(tmp_path, monkeypatch):
@@ -13,3 +14,12 @@ def test_write_record(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["command"] == "rackserve bench kv-pool --label x" and record["label"] == "x"
     assert record["rows"] == [1, 2] and record["cpu_count"] >= 1 and len(record["load_average"]) == 3
+    assert record["cpu"] == cpu_name() and record["cpu"]
+
+
+def test_cpu_name_reads_the_model_and_the_wide_vector_features(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse2 avx2 fma\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert cpu_name() == "AMD EPYC 7B13 (avx2)"

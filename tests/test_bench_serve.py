@@ -48,6 +48,7 @@ def bench(server, workload: str, *flags: str) -> dict:
     with open(out) as f:
         result = json.load(f)
     assert len(result["runs"]) == 1
+    assert result["machine"]["cpu"] and result["machine"]["cpu_count"] >= 1   # what it ran on
     return result["runs"][0]
 
 

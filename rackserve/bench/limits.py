@@ -5,12 +5,13 @@ owns only the measurements; it never runs a model.
 """
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+
+from rackserve.bench.record import cpu_name
 
 
 def processor_name(device: str = "cpu") -> str:
@@ -18,19 +19,7 @@ def processor_name(device: str = "cpu") -> str:
     features (the same project runs on AMD Zen without AVX-512 and on Xeons with AMX)."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(features)})" if features else name
+    return cpu_name()
 
 
 @dataclass

@@ -1,17 +1,42 @@
 """One benchmark's results file: the result with the command that made it and the machine's state
-(CPU count, load average), so a figure in bench/results can be traced and read against the load
-it ran under. Torch-free, so benches that only drive servers stay light. Never measures."""
+(CPU model and features, CPU count, load average), so a figure in bench/results can be traced and
+read against the machine and the load it ran under. Torch-free, so benches that only drive servers
+stay light. Never measures."""
 from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 from typing import Any
+
+
+def cpu_name() -> str:
+    """The CPU model and its wide-vector features (the same project runs on AMD Zen without
+    AVX-512 and on Xeons with AMX, and a figure means little without knowing which)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(features)})" if features else name
+
+
+def machine_state() -> dict[str, Any]:
+    """What every results file records about where it ran: CPU, CPU count, load average."""
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
 
 
 def write_record(path: str, result: dict[str, Any], **extra: Any) -> None:
     """Write `result` (plus `extra` fields) to `path` as JSON, headed by the command line."""
     with open(path, "w") as f:
-        json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), **extra, "cpu_count": os.cpu_count(),
-                   "load_average": os.getloadavg(), **result}, f, indent=2)
+        json.dump({"command": "rackserve " + " ".join(sys.argv[1:]), **extra, **machine_state(), **result},
+                  f, indent=2)
     print(f"wrote {path}")

@@ -22,6 +22,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from rackserve.bench.agentx import DEFAULT_SCALE
+from rackserve.bench.record import machine_state
 from rackserve.serve.cli import register_subcommand
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def write_result(result: dict, output: str | None, plot: str | None) -> int:
     """Write a run's JSON and plot where asked; the exit code: 0 if every level is valid, else 3."""
     if output:
         with open(output, "w") as f:
-            json.dump(_finite(result), f, indent=1)
+            json.dump(_finite({**result, "machine": machine_state()}), f, indent=1)
         print(f"wrote {output}")
     if plot:
         from rackserve.bench.plot import plot_results
