@@ -29,15 +29,58 @@ def test_kv_prefers_the_longest_cached_prefix_until_load_outweighs_it():
     index, loads = index_with(A=[11, 12, 13], B=[11]), ActiveLoads()
     kv = create_policy("kv", seed=0)
     assert kv.choose(HASHES, [A, B, C], index, loads) == (A, 3)
-    loads.add("r1", A, blocks=3, uncached_blocks=0)   # cost A = 1 + 3, B = 3 + 0, C = 4
+    # One unfinished request of 3 other blocks on A: A = 1 + (3 + 4), B = 3 + 4, C = 4 + 4.
+    loads.add("r1", A, [21, 22, 23], prefill_blocks=0.0)
     assert kv.choose(HASHES, [A, B, C], index, loads) == (B, 1)
     loads.finish("r1")
     assert kv.choose(HASHES, [A, B, C], index, loads).worker == A
     # Queued prefill counts until the first token.
-    loads.add("r2", A, blocks=1, uncached_blocks=5)
+    loads.add("r2", A, [31], prefill_blocks=5.0)
     assert kv.choose(HASHES, [A, B, C], index, loads).worker == B
     loads.first_token("r2")
     assert loads.get(A).prefill_blocks == 0 and loads.get(A).active_blocks == 1
+
+
+def test_kv_cost_is_dynamos_potential_prefill_and_decode_blocks():
+    """Dynamo's cost on a hand-built state: overlap_weight x (the request's uncached blocks + the
+    worker's queued prefill, in tokens / block size) + (the worker's distinct active blocks + the
+    request's blocks not among them)."""
+    index, loads = index_with(A=[11, 12, 13], C=[11]), ActiveLoads()
+    # On A: two unfinished requests sharing blocks 11, 12 (a common prefix): 4 distinct blocks,
+    # not 6; one still prefilling 1.5 blocks' worth of tokens (a partial last block counts).
+    loads.add("a1", A, [11, 12, 41], prefill_blocks=0.0)
+    loads.add("a2", A, [11, 12, 42], prefill_blocks=1.5)
+    assert vars(loads.get(A)) == {"active_requests": 2, "active_blocks": 4, "prefill_blocks": 1.5}
+    # On C: one request of unrelated blocks.
+    loads.add("c1", C, [51, 52], prefill_blocks=0.0)
+    kv = create_policy("kv", overlap_weight=2.0, seed=0)
+    costs, overlaps = kv.costs(HASHES, [A, B, C], index, loads)
+    # A: uncached 1, queued 1.5; active 4, new 2 (13, 14: 11, 12 are already active there).
+    # B: nothing cached or active: 4 uncached, 4 new. C: 3 uncached, active 2 + new 4.
+    assert costs == [2.0 * (1 + 1.5) + (4 + 2), 2.0 * 4 + 4, 2.0 * 3 + (2 + 4)]
+    assert kv.choose(HASHES, [A, B, C], index, loads) == (A, 3)
+    # A shared block is freed with the last request holding it.
+    loads.finish("a1")
+    assert loads.get(A).active_blocks == 3 and loads.new_blocks(A, HASHES) == 2
+    loads.finish("a2")
+    assert vars(loads.get(A)) == {"active_requests": 0, "active_blocks": 0, "prefill_blocks": 0.0}
+    assert loads.new_blocks(A, HASHES) == 4
+
+
+def test_kv_counts_the_request_own_blocks_where_they_are_not_active_yet():
+    """Equal caches and equal active blocks: the worker whose unfinished requests already hold
+    the prompt's prefix adds fewer blocks by taking it (Dynamo's new_blocks), so it wins."""
+    index, loads = index_with(A=[11, 12], C=[11, 12]), ActiveLoads()
+    loads.add("a", A, [11, 12, 61], prefill_blocks=0.0)
+    loads.add("c", C, [71, 72, 73], prefill_blocks=0.0)
+    assert create_policy("kv", seed=0).choose(HASHES, [A, C], index, loads).worker == A
+
+
+def test_queued_prefill_in_tokens():
+    from rackserve.router.load import uncached_prefill_blocks
+    assert uncached_prefill_blocks(num_tokens=70, overlap_blocks=2, block_size=16) == 38 / 16
+    assert uncached_prefill_blocks(num_tokens=30, overlap_blocks=2, block_size=16) == 0.0
+    assert uncached_prefill_blocks(num_tokens=30, overlap_blocks=0, block_size=0) == 0.0
 
 
 def test_kv_breaks_ties_by_the_smaller_index_then_at_random():
@@ -60,7 +103,7 @@ def test_prefix_follows_what_it_routed_unless_queues_are_imbalanced():
     other = C if first == A else A
     assert policy.choose([7, 8, 9], [A, C], index, loads).worker == other     # no match: smaller tree
     for i in range(4):
-        loads.add(f"r{i}", first, 1, 0)
+        loads.add(f"r{i}", first, [100 + i], 0.0)
     assert policy.choose(HASHES, [A, C], index, loads).worker == other        # imbalanced: shortest queue
 
 
@@ -68,7 +111,7 @@ def test_baselines():
     index, loads = KVIndex(), ActiveLoads()
     rr = create_policy("round_robin")
     assert [rr.choose(HASHES, [A, B, C], index, loads).worker for _ in range(4)] == [A, B, C, A]
-    loads.add("r", A, 1, 1)
+    loads.add("r", A, [1], 1.0)
     assert create_policy("least_load", seed=0).choose(HASHES, [A, C], index, loads).worker == C
     with pytest.raises(ValueError, match="unknown routing policy"):
         create_policy("fastest")

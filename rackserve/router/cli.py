@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from rackserve.serve.cli import register_subcommand
@@ -55,6 +56,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uvicorn-log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--log-level", default="warning", choices=["error", "warning", "info", "debug"],
+                        help="the router's own log (debug: each kv decision that leaves the best-cached worker, "
+                             "with every candidate's cost terms)")
 
 
 def policy_options(args: argparse.Namespace, policy: str) -> dict:
@@ -102,6 +106,7 @@ def _router(args: argparse.Namespace) -> int:
         print("rackserve router: give at least one --worker (or --prefill-worker and --decode-worker)",
               file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(serve_router(args, args.worker, args.policy, None, args.prefill_worker, args.decode_worker))
     except RuntimeError as e:

@@ -2,10 +2,13 @@
 worker (an instance and DP rank) for a request from the index of what workers cache and the
 router's predicted loads.
 
-- kv (default), Dynamo's rule: cost = overlap_weight * (the request's uncached blocks + the
-  worker's queued prefill blocks) + the worker's active blocks; lowest cost wins, ties go to the
-  worker with the smaller index, then at random. A temperature > 0 samples with
-  p ~ exp(-normalised cost / T) instead.
+- kv (default), Dynamo's rule: cost = overlap_weight * prefill blocks + decode blocks, where
+  prefill blocks = the request's uncached blocks + the worker's queued prefill (uncached prompt
+  tokens / block size of its requests before their first token) and decode blocks = the worker's
+  active blocks (distinct prompt blocks of its unfinished requests) + the request's blocks not
+  among them (Dynamo's potential blocks: the load the worker would carry if it took the request);
+  lowest cost wins, ties go to the worker with the smaller index, then at random. A temperature
+  > 0 samples with p ~ exp(-normalised cost / T) instead.
 - prefix, SGLang's cache-aware rule over an approximate per-worker LRU of the blocks routed there.
 - least_load (fewest active requests) and round_robin: the baselines `kv` is measured against.
 - DecodeLoadPolicy (no --policy name): how the router picks decode workers when it has P/D pools.
@@ -14,6 +17,8 @@ This file never talks to an instance and never changes the index or the loads.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
 import random
 from abc import ABC, abstractmethod
@@ -23,6 +28,8 @@ from typing import Callable, NamedTuple
 
 from rackserve.router.index import KVIndex, WorkerKey
 from rackserve.router.load import ActiveLoads
+
+logger = logging.getLogger(__name__)
 
 
 class Decision(NamedTuple):
@@ -70,10 +77,18 @@ class KvPolicy(RoutingPolicy):
         overlaps = index.overlaps(hashes)
         costs = []
         for worker in workers:
-            load = loads.get(worker)
-            uncached = len(hashes) - overlaps.get(worker, 0)
-            costs.append(self.overlap_weight * (uncached + load.prefill_blocks) + load.active_blocks)
+            prefill, decode = self.terms(hashes, worker, overlaps, loads)
+            costs.append(self.overlap_weight * prefill + decode)
         return costs, overlaps
+
+    @staticmethod
+    def terms(hashes: Sequence[int], worker: WorkerKey, overlaps: dict[WorkerKey, int],
+              loads: ActiveLoads) -> tuple[float, int]:
+        """(prefill blocks, decode blocks) the worker would carry if it took the request. The
+        request's partial last block is left out of its prefill: it is the same on every worker."""
+        load = loads.get(worker)
+        prefill = len(hashes) - overlaps.get(worker, 0) + load.prefill_blocks
+        return prefill, load.active_blocks + loads.new_blocks(worker, hashes)
 
     def choose(self, hashes, workers, index, loads):
         costs, overlaps = self.costs(hashes, workers, index, loads)
@@ -87,7 +102,18 @@ class KvPolicy(RoutingPolicy):
             tied = [w for w, c in zip(workers, costs) if c == best]
             smallest = min(index.num_blocks(w) for w in tied)
             worker = self.rng.choice([w for w in tied if index.num_blocks(w) == smallest])
+        if logger.isEnabledFor(logging.DEBUG) and overlaps.get(worker, 0) < max(overlaps.values(), default=0):
+            self._log_moved(hashes, workers, overlaps, loads, costs, worker)
         return Decision(worker, overlaps.get(worker, 0))
+
+    def _log_moved(self, hashes, workers, overlaps, loads, costs, chosen) -> None:
+        """One JSON line per request sent off the worker caching most of its prompt, with every
+        candidate's cost terms (Dynamo logs its formula per worker the same way, at debug)."""
+        terms = [{"worker": f"{w.url}#{w.dp_rank}", "cost": c, "cached_blocks": overlaps.get(w, 0),
+                  "uncached_blocks": len(hashes) - overlaps.get(w, 0), "new_blocks": loads.new_blocks(w, hashes),
+                  **vars(loads.get(w))} for w, c in zip(workers, costs)]
+        logger.debug("kv moved off cache: %s", json.dumps(
+            {"prompt_blocks": len(hashes), "chosen": f"{chosen.url}#{chosen.dp_rank}", "workers": terms}))
 
 
 @register_policy
@@ -159,8 +185,9 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 class DecodeLoadPolicy(RoutingPolicy):
-    """Decode workers by load: fewest active KV blocks, then fewest requests; ties go to the
-    worker that caches more of the prompt (less to pull or recompute), then at random."""
+    """Decode workers by load: fewest decode blocks if it took the request (kv's decode term,
+    Dynamo's decode router with no overlap credit), then fewest requests; ties go to the worker
+    that caches more of the prompt (less to pull or recompute), then at random."""
     name = "decode_load"
 
     def choose(self, hashes, workers, index, loads):
@@ -168,7 +195,7 @@ class DecodeLoadPolicy(RoutingPolicy):
 
         def key(w):
             load = loads.get(w)
-            return load.active_blocks, load.active_requests, -overlaps.get(w, 0)
+            return load.active_blocks + loads.new_blocks(w, hashes), load.active_requests, -overlaps.get(w, 0)
         best = min(key(w) for w in workers)
         worker = self.rng.choice([w for w in workers if key(w) == best])
         return Decision(worker, overlaps.get(worker, 0))

@@ -27,6 +27,7 @@ from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
 from rackserve.router import BOTH
 from rackserve.router.body import parse_body, prompt_chars
 from rackserve.router.disagg import forward_disaggregated
+from rackserve.router.load import uncached_prefill_blocks
 from rackserve.router.policies import RoutingPolicy
 from rackserve.router.prompts import render
 from rackserve.router.router import Instance, Route, Router
@@ -69,7 +70,7 @@ class RouterFront:
         """The answer of the first worker (with one of `roles`, picked by `policy`, `first` if
         given) that takes the request: one that fails before its first token is left for the next
         best; the last refusal, or a 503, when none is left."""
-        num_blocks = len(token_ids) // self.router.block_size if self.router.block_size else 0
+        hashes = self.router.hashes(token_ids, salt)
         tried: set[str] = set()
         last_error: Response | None = None
         while True:
@@ -82,8 +83,9 @@ class RouterFront:
             worker = decision.worker
             tried.add(worker.url)
             request_id = uuid.uuid4().hex
-            self.router.loads.add(request_id, worker, max(num_blocks, 1), num_blocks - decision.overlap_blocks)
             block_size = self.router.block_size or 0
+            self.router.loads.add(request_id, worker, hashes,
+                                  uncached_prefill_blocks(len(token_ids), decision.overlap_blocks, block_size))
             self.router.metrics.routed(worker.url, worker.dp_rank, len(token_ids),
                                        decision.overlap_blocks * block_size, decision.best_overlap_blocks * block_size)
             instance = self.router.instances[worker.url]

@@ -23,7 +23,7 @@ from rackserve.core.hashing import block_hashes
 from rackserve.core.request import Request
 from rackserve.core.scheduler import Scheduler
 from rackserve.router.index import KVIndex, WorkerKey
-from rackserve.router.load import ActiveLoads
+from rackserve.router.load import ActiveLoads, uncached_prefill_blocks
 from rackserve.router.policies import ROUTING_POLICIES, create_policy
 
 OWN_POLICIES = ("least_uncached",)
@@ -72,7 +72,8 @@ class ClusterRouter(SimRouter):
         workers = [self.worker(i, d) for i, inst in enumerate(instances) for d in range(len(inst.core.schedulers))]
         decision = self.policy.choose(hashes, workers, self.index, self.loads)
         # As router/server.py counts a routed request: its blocks, and the uncached ones as prefill.
-        self.loads.add(req_id, decision.worker, max(len(hashes), 1), len(hashes) - decision.overlap_blocks)
+        self.loads.add(req_id, decision.worker, hashes,
+                       uncached_prefill_blocks(len(token_ids), decision.overlap_blocks, self.block_size))
         return Route(int(decision.worker.url.removeprefix("sim://")),
                      decision.worker.dp_rank if self.pin_dp_rank else None)
 
