@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import struct
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -234,6 +236,74 @@ def test_a_client_that_leaves_a_whole_answer_aborts_it_on_the_instance(cluster):
     assert sum(_aborted(u) for u in urls) == aborted + 1
     assert metric_totals(cluster.url)["rackserve_router:client_disconnects_total"] == left + 1
     assert all(i["workers"][0]["active_requests"] == 0 for i in httpx.get(f"{cluster.url}/router").json()["instances"])
+
+
+class ResetNextPost:
+    """A TCP proxy in front of an instance that resets the connection carrying the next POST once
+    armed: a real connection reset from a live instance (as a keep-alive connection the server
+    closed just as the client reused it gives), everything else passed through."""
+
+    def __init__(self, target: str) -> None:
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.armed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client_side, _ = self.listener.accept()
+            except OSError:
+                return   # closed
+            upstream = socket.create_connection(self.target)
+            for src, dst, from_client in ((client_side, upstream, True), (upstream, client_side, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, from_client), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if from_client and data.startswith(b"POST ") and self.armed.is_set():
+                    self.armed.clear()
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # RST
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_one_failed_connection_does_not_take_a_live_instance_out(cluster, tmp_path):
+    """The request is retried on the other instance; the instance whose connection was reset
+    answers the health check the failure starts, so it keeps its place and its index."""
+    (_, first), (_, second) = cluster.instances
+    proxy = ResetNextPost(first)
+    router, url = start_router([proxy.url, second], tmp_path / "router.log")
+    try:
+        prompt = "Reset once: " + "a connection may drop while the instance is fine " * 6
+        client(first).completions.create(model=MODEL, prompt=prompt, max_tokens=1, **GREEDY)   # cached there
+        deadline = time.monotonic() + 10
+        while not httpx.get(f"{url}/router").json()["instances"][0]["workers"][0]["index_blocks"]:
+            assert time.monotonic() < deadline, "the router never saw the instance's KV events"
+            time.sleep(0.1)
+        time.sleep(0.3)   # the rest of that prompt's events
+        proxy.armed.set()
+        out = client(url).completions.create(model=MODEL, prompt=prompt + " again", max_tokens=3, **GREEDY)
+        assert out.usage.completion_tokens == 3
+        assert not proxy.armed.is_set()                       # kv sent it where its prefix lives: reset
+        assert metric_totals(url)["rackserve_router:retries_total"] == 1
+        time.sleep(1.0)   # the check the failure started, and a few periodic ones
+        state = httpx.get(f"{url}/router").json()["instances"][0]
+        assert state["healthy"] and state["workers"][0]["index_blocks"] > 0
+        assert "leaves the pool" not in (tmp_path / "router.log").read_text()
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        proxy.close()
 
 
 def test_an_instance_that_stops_answering_leaves_and_rejoins(cluster):

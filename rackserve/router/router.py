@@ -4,7 +4,7 @@ An instance joins from its URL alone: GET /kv_events says its DP ranks, block si
 and event endpoints, and one KVEventSubscriber per DP rank keeps the index current. Health
 checks (GET /health) take an instance that dies or stops answering out of the pool, dropping
 its index entries and predicted load, and let it back in once it answers again (its index is
-rebuilt by replay). `route` tokenizes nothing: it hashes the prompt's token ids with the
+rebuilt by replay); a request whose connection fails has its instance checked at once. `route` tokenizes nothing: it hashes the prompt's token ids with the
 instances' scheme (core/hashing.py) and asks the policy. This file never speaks OpenAI (the
 front in server.py does).
 """
@@ -46,6 +46,7 @@ class Instance:
     # Set when it leaves the pool: requests waiting on it stop waiting (retried, or their stream
     # ends with an error) instead of hanging on an instance that stopped answering.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
+    probe: asyncio.Task | None = None                  # a health check a failed request started
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -84,6 +85,9 @@ class Router:
     async def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        for instance in self.instances.values():
+            if instance.probe is not None:
+                instance.probe.cancel()
         for instance in self.instances.values():
             for sub in instance.subscribers:
                 await sub.close()
@@ -132,6 +136,30 @@ class Router:
         self._gauge()
         for sub in subscribers:
             await sub.close()
+
+    def suspect(self, instance: Instance, reason: str) -> None:
+        """A request's connection to `instance` failed (the request itself is retried elsewhere).
+        The instance is health-checked at once and leaves the pool only if that fails too: a dead
+        instance refuses the check as it refused the request, while one reset connection (say a
+        keep-alive connection the instance closed just as it was reused) does not cost a healthy
+        instance its index and its place until the next periodic check."""
+        if instance.healthy and instance.probe is None:
+            instance.probe = asyncio.ensure_future(self._probe(instance, reason))
+
+    async def _probe(self, instance: Instance, reason: str) -> None:
+        try:
+            if not await self._answers(instance):
+                await self.leave(instance, reason)
+        finally:
+            instance.probe = None
+
+    async def _answers(self, instance: Instance) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
+            async with self.session.get(f"{instance.url}/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
 
     async def _join(self, instance: Instance) -> None:
         timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
@@ -182,12 +210,5 @@ class Router:
     async def _check(self, instance: Instance) -> None:
         if not instance.healthy:
             await self._join(instance)
-            return
-        try:
-            timeout = aiohttp.ClientTimeout(total=self.health_timeout_s)
-            async with self.session.get(f"{instance.url}/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
-        if not ok:
+        elif not await self._answers(instance):
             await self.leave(instance, "health check failed")

@@ -97,7 +97,7 @@ class RouterFront:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 self.router.loads.finish(request_id)
-                await self.router.leave(instance, f"request failed: {e!r}")
+                self.router.suspect(instance, f"request failed: {e!r}")
                 continue
             if response.status_code >= 500 or response.status_code == 429:   # no token yet: try elsewhere
                 self.router.loads.finish(request_id)
