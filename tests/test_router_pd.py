@@ -1,14 +1,18 @@
-"""The router with prefill and decode pools, end to end: two prefill servers and one decode
-server (real processes, MooncakeConnector over TCP, KV events on), a real `rackserve router
+"""The router with prefill and decode pools, end to end: two prefill servers and two decode
+servers (real processes, MooncakeConnector over TCP, KV events on), a real `rackserve router
 --prefill-worker ... --decode-worker ...` in front, the official `openai` client. Greedy tokens
 equal one instance's, streamed or not; a prompt whose uncached part is under
---pd-threshold-tokens runs whole on the decoder (no prefiller sees it); a dead prefiller is
-routed around. (The last test kills a prefiller: it runs last.)"""
+--pd-threshold-tokens runs whole on a decoder (no prefiller sees it); a decode hop whose decoder
+stops answering is retried on the other; a dead prefiller is routed around. (The last test kills
+a prefiller: it runs last.)"""
 from __future__ import annotations
 
 import json
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 import openai
 import pytest
@@ -37,19 +41,20 @@ def pd(tmp_path_factory):
     save_test_tokenizer(str(root / "tok"), VOCAB)
     base = ["--model", model, "--tokenizer", str(root / "tok"), "--served-model-name", MODEL, "--device", "cpu",
             "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", str(BS)]
-    roles = ["kv_producer", "kv_producer", "kv_consumer"]
+    roles = ["kv_producer", "kv_producer", "kv_consumer", "kv_consumer"]
     procs = []
     try:
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(4) as pool:
             started = list(pool.map(lambda i: start_server(base + _flags(roles[i]), root / f"instance{i}.log"),
-                                    range(3)))
+                                    range(4)))
         procs = [p for p, _ in started]
-        (_, p0), (_, p1), (_, d) = started
-        router, url = start_command(["router", "--prefill-worker", p0, "--prefill-worker", p1, "--decode-worker", d,
-                                     "--pd-threshold-tokens", str(THRESHOLD), "--health-interval", "0.3",
-                                     "--health-timeout", "1"], root / "router.log", timeout=60)
+        (_, p0), (_, p1), (_, d0), (_, d1) = started
+        router, url = start_command(["router", "--prefill-worker", p0, "--prefill-worker", p1, "--decode-worker", d0,
+                                     "--decode-worker", d1, "--pd-threshold-tokens", str(THRESHOLD),
+                                     "--health-interval", "0.3", "--health-timeout", "1"], root / "router.log",
+                                    timeout=60)
         procs.append(router)
-        yield {"prefill": [p0, p1], "decode": d, "router": url, "procs": procs}
+        yield {"prefill": [p0, p1], "decode": [d0, d1], "router": url, "procs": procs}
     finally:
         stop_all(procs)
 
@@ -71,7 +76,7 @@ LONG = "Disaggregation moves the prompt's keys and values from one instance to a
 
 
 def test_long_prompts_disaggregate_and_answer_like_one_instance(pd):
-    before, decoded = _decisions(pd["router"]), metric_totals(pd["decode"])
+    before, pulled = _decisions(pd["router"]), _pulled(pd["decode"])
     via, direct = _client(pd["router"]), _client(pd["prefill"][0])
     got = via.completions.create(model=MODEL, prompt=LONG, max_tokens=8, n=2, logprobs=1, **GREEDY)
     want = direct.completions.create(model=MODEL, prompt=LONG, max_tokens=8, n=2, logprobs=1, **GREEDY)
@@ -86,9 +91,12 @@ def test_long_prompts_disaggregate_and_answer_like_one_instance(pd):
     assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
     after = _decisions(pd["router"])
     assert after["remote_prefill"] - before["remote_prefill"] == 2 and after["local"] == before["local"]
-    # The decoder pulled the prompts' KV instead of computing it.
-    assert metric_totals(pd["decode"])["rackserve:kv_transfer_blocks_total"] > decoded.get(
-        "rackserve:kv_transfer_blocks_total", 0)
+    # The decoders pulled the prompts' KV instead of computing it.
+    assert _pulled(pd["decode"]) > pulled
+
+
+def _pulled(urls: list[str]) -> float:
+    return sum(metric_totals(u).get("rackserve:kv_transfer_blocks_total", 0.0) for u in urls)
 
 
 def test_short_prompts_stay_on_the_decoder(pd):
@@ -101,6 +109,39 @@ def test_short_prompts_stay_on_the_decoder(pd):
     after = _decisions(pd["router"])
     assert after["local"] - before["local"] == 2 and after["remote_prefill"] == before["remote_prefill"]
     assert [_served(u) for u in pd["prefill"]] == prefilled
+
+
+def test_a_decode_hop_whose_decoder_stops_answering_is_retried_on_the_other(pd):
+    """SIGSTOP the decoder the router picks: after the prefill hop, the decode hop waits on it
+    until the health check gives up, then goes to the other decoder with the same
+    kv_transfer_params (the prefiller holds the blocks for its lease), which pulls the KV."""
+    (d0, d1), router = pd["decode"], pd["router"]
+    prefix = "Decode hop retried: "
+    # d0 caches the prompt's first blocks: between idle decoders the tie goes to it.
+    _client(d0).completions.create(model=MODEL, prompt=prefix, max_tokens=1, **GREEDY)
+    deadline = time.monotonic() + 10
+    while not next(i for i in httpx.get(f"{router}/router").json()["instances"] if i["url"] == d0)["workers"][0][
+            "index_blocks"]:
+        assert time.monotonic() < deadline, "the router never saw d0's KV events"
+        time.sleep(0.1)
+    before, retries = _decisions(router), metric_totals(router).get("rackserve_router:retries_total", 0.0)
+    decoded = [_served(d) for d in (d0, d1)]
+    stopped = pd["procs"][2]
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        got = _client(router).with_options(timeout=30).completions.create(
+            model=MODEL, prompt=prefix + LONG, max_tokens=5, **GREEDY)
+        assert metric_totals(router)["rackserve_router:retries_total"] == retries + 1
+        assert _decisions(router)["remote_prefill"] == before["remote_prefill"] + 1
+        assert _served(d1) == decoded[1] + 1
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+    want = _client(pd["prefill"][1]).completions.create(model=MODEL, prompt=prefix + LONG, max_tokens=5, **GREEDY)
+    assert got.choices[0].text == want.choices[0].text
+    deadline = time.monotonic() + 15
+    while not all(i["healthy"] for i in httpx.get(f"{router}/router").json()["instances"]):
+        assert time.monotonic() < deadline, "the stopped decoder never rejoined"
+        time.sleep(0.2)
 
 
 def test_a_dead_prefiller_is_routed_around(pd):
