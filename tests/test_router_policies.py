@@ -157,3 +157,20 @@ def test_bench_router_runs_kv_once_per_overlap_weight():
         ("prefix", ["--policy", "prefix"])]
     assert policy_runs("round_robin,kv", "2") == [("round_robin", ["--policy", "round_robin"]),
                                                   ("kv", ["--policy", "kv", "--overlap-weight", "2"])]
+
+
+def test_kv_logs_each_decision_that_leaves_the_best_cached_worker(caplog):
+    import json
+    import logging
+    index, loads = index_with(A=[11, 12, 13]), ActiveLoads()
+    loads.add("busy", A, [81, 82, 83, 84, 85], prefill_blocks=0.0)
+    kv = create_policy("kv", seed=0)
+    with caplog.at_level(logging.DEBUG, logger="rackserve.router.policies"):
+        assert kv.choose(HASHES, [A, C], index, loads).worker == C     # A = 1 + (5 + 4), C = 4 + (0 + 4)
+        loads.finish("busy")
+        assert kv.choose(HASHES, [A, C], index, loads).worker == A     # not moved: not logged
+    [record] = [r for r in caplog.records if "kv moved off cache" in r.getMessage()]
+    moved = json.loads(record.getMessage().split(": ", 1)[1])
+    assert moved["chosen"] == "b#0" and moved["prompt_blocks"] == 4
+    assert moved["workers"][0] == {"worker": "a#0", "cost": 10.0, "cached_blocks": 3, "uncached_blocks": 1,
+                                   "new_blocks": 4, "active_requests": 1, "active_blocks": 5, "prefill_blocks": 0.0}

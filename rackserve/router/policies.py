@@ -102,7 +102,7 @@ class KvPolicy(RoutingPolicy):
             tied = [w for w, c in zip(workers, costs) if c == best]
             smallest = min(index.num_blocks(w) for w in tied)
             worker = self.rng.choice([w for w in tied if index.num_blocks(w) == smallest])
-        if logger.isEnabledFor(logging.DEBUG) and overlaps.get(worker, 0) < max(overlaps.values(), default=0):
+        if logger.isEnabledFor(logging.DEBUG) and overlaps.get(worker, 0) < max(overlaps.get(w, 0) for w in workers):
             self._log_moved(hashes, workers, overlaps, loads, costs, worker)
         return Decision(worker, overlaps.get(worker, 0))
 
