@@ -2,7 +2,7 @@
 transfer engine and side channel, give the same greedy tokens as one LLM doing both, for the
 standard K/V layout, MLA's latent cache and a 16-bit KV cache; leases, load failures and
 mismatched layouts end in a completed request or a clear error, with no block leaked. DeepSeek-V4's cache comes in
-several groups (a bounded window, compressed entries), which the connectors do not move: refused with a clear error."""
+several groups (a bounded window, compressed entries): every group's blocks move."""
 from __future__ import annotations
 
 import time
@@ -51,9 +51,44 @@ def tiny_deepseek_v4_dir(tmp_path_factory) -> str:
     return path
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused(tiny_deepseek_v4_dir):
-    with pytest.raises(ValueError, match="KV connectors move one cache group"):
-        _llm(tiny_deepseek_v4_dir, "kv_producer")
+def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_deepseek_v4_dir):
+    """DeepSeek-V4's cache has three groups (a 16-token window, CSA entries of 4 tokens, HCA
+    entries of 16). The prefiller prefills in chunks of 8, so its window group gives back the
+    blocks behind the window before the request ends: the params name only the ones it holds,
+    and the decoder pulls those (the window its next token reads) plus every compressed block.
+    The second prompt shares 40 tokens with the first: the decoder hits its own compressed blocks
+    and pulls the rest."""
+    first = [3 + (i * 7) % 500 for i in range(45)]            # 11 blocks and a partial one, past the window
+    prompts = [first, first[:40] + [9, 8, 7, 6, 5, 4, 3], [5, 6, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with _llm(tiny_deepseek_v4_dir, None) as single, \
+            _llm(tiny_deepseek_v4_dir, "kv_producer", max_num_batched_tokens=8) as prefiller, \
+            _llm(tiny_deepseek_v4_dir, "kv_consumer") as decoder:
+        for k, prompt in enumerate(prompts):
+            [want] = single.generate({"prompt_token_ids": prompt}, greedy)
+            [pre] = prefiller.generate({"prompt_token_ids": prompt}, SamplingParams(
+                temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+            params = pre.kv_transfer_params
+            window, csa, hca = params["remote_block_ids"]
+            assert len(window) == 12 if len(prompt) > 40 else len(window) == 1
+            if k == 0:
+                assert window[:6] == [None] * 6 and None not in window[-5:]   # given back behind the window
+                assert None not in csa + hca and (len(csa), len(hca)) == (12, 3)
+            [got] = decoder.generate({"prompt_token_ids": prompt}, SamplingParams(
+                temperature=0.0, max_tokens=6, ignore_eos=True, kv_transfer_params=params))
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, k
+            assert got.num_cached_tokens == len(prompt) - 1
+        _drain(prefiller)
+        _drain(decoder)
+        for llm in (prefiller, decoder):
+            llm.engine.core.check_integrity()
+            assert llm.engine.core.scheduler.kv.usage() == 0.0
+
+
+def test_a_connector_that_moves_one_cache_group_refuses_deepseek_v4(tiny_deepseek_v4_dir):
+    with pytest.raises(ValueError, match="OffloadingConnector moves one KV cache group"):
+        LLM(tiny_deepseek_v4_dir, dtype="float32", device="cpu", max_model_len=256, block_size=4,
+            kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
 
 
 @pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),

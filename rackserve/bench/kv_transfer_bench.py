@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> dict:
 
             def p2p() -> None:
                 rid = f"bench-{next(ids)}"
-                producer.start_load_kv(MooncakeConnectorMetadata(holds={rid: remote}))
-                consumer._load(LoadOrder(rid, local, remote, producer.server.host, producer.server.port, rid))
+                producer.start_load_kv(MooncakeConnectorMetadata(holds={rid: [remote]}))
+                consumer._load(LoadOrder(rid, [local], [remote], producer.server.host, producer.server.port, rid))
                 assert rid in consumer.get_finished().finished_recving, "the pull failed"
                 producer.get_finished()
 
@@ -157,7 +157,7 @@ def _side_channel_costs(producer, repeats: int) -> dict:
 
     def pin_done() -> None:
         rid = f"sc-{next(ids)}"
-        producer.start_load_kv(MooncakeConnectorMetadata(holds={rid: [0]}))
+        producer.start_load_kv(MooncakeConnectorMetadata(holds={rid: [[0]]}))
         assert kept.call({"op": "pin", "req_id": rid})["status"] == "pinned"
         kept.call({"op": "done", "req_id": rid})
         producer.get_finished()

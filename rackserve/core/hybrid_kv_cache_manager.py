@@ -82,8 +82,10 @@ class HybridKVCacheManager:
                        delay_caching: bool = False) -> tuple[list[int], ...] | None:
         """KVCacheManager.allocate_slots per group: the ids appended to each group's table, or None,
         changing nothing, when a group has too few free blocks. The sliding group first gives back
-        the blocks wholly behind its window."""
-        assert not delay_caching, "KV arriving from elsewhere moves one cache group only"
+        the blocks wholly behind its window.
+        `delay_caching`: the new tokens' KV arrives from elsewhere (a KV connector): their blocks join
+        the prefix cache at the next allocation, once it has landed, and the sliding group gets
+        blocks only for the window the next token reads (a long prompt's whole span would not fit)."""
         rid = request.request_id
         new_request = rid not in self.req_to_blocks
         tables = self.req_to_blocks.get(rid) or [[] for _ in self.groups]
@@ -91,7 +93,7 @@ class HybridKVCacheManager:
         computed = request.num_computed_tokens + hit.num_tokens
         end = computed + num_new_tokens
         window = self.groups[0]
-        first_kept = max(0, computed - window.sliding_window) // window.block_size
+        first_kept = max(0, (end if delay_caching else computed) - window.sliding_window) // window.block_size
         needs = []
         for i, (group, table) in enumerate(zip(self.groups, tables)):
             held = len(table) + (len(hit_blocks[i - 1]) if i else 0)
@@ -118,7 +120,8 @@ class HybridKVCacheManager:
             new = hits + pool.get_new_blocks(need)
             tables[i].extend(new)
             new_ids.append([b.block_id for b in new])
-        self._cache_full_blocks(request, end)
+        if not delay_caching:
+            self._cache_full_blocks(request, end)
         return tuple(new_ids)
 
     def _cache_full_blocks(self, request: Request, end: int) -> None:
@@ -154,6 +157,11 @@ class HybridKVCacheManager:
         """Each group's table; block 0 where the sliding group gave its block back."""
         tables = self.req_to_blocks.get(request.request_id) or [[] for _ in self.groups]
         return tuple([0 if b is None else b.block_id for b in table] for table in tables)
+
+    def transfer_block_ids(self, request: Request) -> tuple[list[int | None], ...]:
+        """Each group's table for a KV connector: None where the sliding group holds no block."""
+        tables = self.req_to_blocks.get(request.request_id) or [[] for _ in self.groups]
+        return tuple([None if b is None else b.block_id for b in table] for table in tables)
 
     def hit_blocks(self, request: Request) -> tuple[int, ...]:
         """Per group, the leading blocks that came from the prefix cache (the workers must not

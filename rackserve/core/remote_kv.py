@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from rackserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from rackserve.core.kv_cache_manager import KVCacheManager, PrefixHit
 from rackserve.core.request import Request, RequestStatus
 from rackserve.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
@@ -22,13 +23,19 @@ class LoadResults(NamedTuple):
 
 
 class RemoteKV:
-    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager, load_failure_policy: str):
+    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager | HybridKVCacheManager,
+                 load_failure_policy: str):
         self.connector = connector
         self.kv = kv
         self.load_failure_policy = load_failure_policy
         self.loading: dict[str, tuple[Request, int]] = {}   # request, tokens arriving
         self.landed: set[str] = set()
         self.sending: dict[str, Request] = {}
+        self.grouped = isinstance(kv, HybridKVCacheManager)   # several cache groups: block ids per group
+
+    def _block_ids(self, request: Request) -> list[int] | tuple[list[int | None], ...]:
+        """What the connector is told a request holds: its table, or one per cache group."""
+        return self.kv.transfer_block_ids(request) if self.grouped else self.kv.block_ids(request)
 
     def has_transfers(self) -> bool:
         return bool(self.sending or self.loading)
@@ -45,12 +52,13 @@ class RemoteKV:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = hit.num_tokens
         self.loading[request.request_id] = (request, num_external)
-        self.connector.update_state_after_alloc(request, self.kv.block_ids(request), len(hit.blocks), num_external)
+        num_local = self.kv.hit_blocks(request) if self.grouped else len(hit.blocks)
+        self.connector.update_state_after_alloc(request, self._block_ids(request), num_local, num_external)
         return True
 
     def finish(self, request: Request) -> dict | None:
         """A request ended: free its blocks or hold them for a peer; the connector's params back."""
-        hold, params = self.connector.request_finished(request, self.kv.block_ids(request))
+        hold, params = self.connector.request_finished(request, self._block_ids(request))
         if hold:
             self.sending[request.request_id] = request
         else:

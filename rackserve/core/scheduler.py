@@ -55,11 +55,10 @@ class Scheduler:
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  enable_kv_cache_events=kv_events) if kv_cache_config is None else \
             HybridKVCacheManager(kv_cache_config, self.block_size, config.cache.enable_prefix_caching)
-        if kv_cache_config is not None and (config.kv_transfer is not None or kv_events):
+        if kv_cache_config is not None and kv_events:
             names = ", ".join(g.name for g in kv_cache_config.groups)
-            raise ValueError(f"KV connectors and KV events name blocks of one cache group; this model's cache has "
-                             f"{len(kv_cache_config.groups)} ({names}): run it without --kv-transfer-config "
-                             "and --kv-events-config")
+            raise ValueError(f"KV events name blocks of one cache group; this model's cache has "
+                             f"{len(kv_cache_config.groups)} ({names}): run it without --kv-events-config")
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -67,7 +66,7 @@ class Scheduler:
         self._drop_from_workers: set[str] = set()  # to tell the workers in the next step
         self._stats = SchedulerStats()
         self._failed: list[EngineCoreOutput] = []   # requests ended with an error, to report
-        self.connector = create_kv_connector_scheduler(config, dp_rank)
+        self.connector = create_kv_connector_scheduler(config, dp_rank, kv_cache_config)
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
 

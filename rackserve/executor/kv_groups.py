@@ -17,15 +17,14 @@ from torch import nn
 from rackserve.config import EngineConfig
 from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.distributed.parallel_state import GroupCoordinator
+from rackserve.kv_transfer.base import check_kv_cache_groups
 
 logger = logging.getLogger(__name__)
 
 
 def allocate_kv_cache_groups(model: nn.Module, config: EngineConfig, dtype: torch.dtype,
                              tp: GroupCoordinator) -> tuple[KVCacheConfig, list[torch.Tensor]]:
-    if config.kv_transfer is not None:
-        raise ValueError("KV connectors move one cache group; this model's cache has several "
-                         "(a sliding window and compressed entries): run it without --kv-transfer-config")
+    check_kv_cache_groups(config)   # before any connector half meets the group tensors
     cache, block_size = config.cache, config.cache.block_size
     groups = model.kv_cache_groups(block_size)
     if cache.num_gpu_blocks_override is not None:

@@ -19,6 +19,7 @@ from rackserve.config import EngineConfig
 from rackserve.core.stats import KVTransferStats
 
 if TYPE_CHECKING:
+    from rackserve.core.kv_cache_groups import KVCacheConfig
     from rackserve.core.request import Request
 
 
@@ -39,13 +40,26 @@ class KVConnectorOutput:
 
 
 class KVConnectorScheduler(ABC):
-    """Scheduler side. Every method is called from the scheduler's thread, within one step."""
+    """Scheduler side. Every method is called from the scheduler's thread, within one step.
+
+    A model with several KV cache groups (core/kv_cache_groups.py) gives it `kv_cache_config`; then
+    block ids come one list per group (None where a sliding group gave a block back). A connector
+    that moves only one group says so with `supports_kv_cache_groups = False`, and is refused."""
+    supports_kv_cache_groups = False
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
         assert config.kv_transfer is not None
         self.config = config
         self.transfer_config = config.kv_transfer
         self.dp_rank = dp_rank   # the DP rank whose scheduler this is (each has its own KV cache)
+        self.kv_cache_config: KVCacheConfig | None = None
+
+    @classmethod
+    def moves_kv_cache_groups(cls, config: EngineConfig) -> bool:
+        return cls.supports_kv_cache_groups
+
+    def set_kv_cache_config(self, kv_cache_config: KVCacheConfig | None) -> None:
+        self.kv_cache_config = kv_cache_config
 
     def validate_request(self, request: "Request") -> None:
         """Raise ValueError for kv_transfer_params this connector cannot follow (before queueing)."""
@@ -138,8 +152,24 @@ def connector_class(config: EngineConfig, side: int) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def create_kv_connector_scheduler(config: EngineConfig, dp_rank: int = 0) -> KVConnectorScheduler | None:
-    return None if config.kv_transfer is None else connector_class(config, 1)(config, dp_rank)
+def check_kv_cache_groups(config: EngineConfig) -> None:
+    """Raise ValueError if the configured connector cannot move a cache of several groups."""
+    if config.kv_transfer is not None and not connector_class(config, 1).moves_kv_cache_groups(config):
+        raise ValueError(f"{config.kv_transfer.kv_connector} moves one KV cache group; this model's cache has "
+                         "several (a sliding window and compressed entries): use MooncakeConnector, or run "
+                         "without --kv-transfer-config")
+
+
+def create_kv_connector_scheduler(config: EngineConfig, dp_rank: int = 0,
+                                  kv_cache_config: KVCacheConfig | None = None) -> KVConnectorScheduler | None:
+    """The scheduler half; `kv_cache_config`: the cache groups of a model with several."""
+    if config.kv_transfer is None:
+        return None
+    if kv_cache_config is not None:
+        check_kv_cache_groups(config)
+    connector = connector_class(config, 1)(config, dp_rank)
+    connector.set_kv_cache_config(kv_cache_config)
+    return connector
 
 
 def create_kv_connector_worker(config: EngineConfig, kv_cache: Any, tp_rank: int = 0,

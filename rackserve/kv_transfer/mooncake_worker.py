@@ -15,6 +15,7 @@ from typing import Any
 from rackserve.config import EngineConfig
 from rackserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from rackserve.kv_transfer.fingerprint import kv_fingerprint
+from rackserve.kv_transfer.kv_layout import KVLayout
 from rackserve.kv_transfer.mooncake_connector import LoadOrder, MooncakeConnectorMetadata, side_channel_address
 from rackserve.kv_transfer.side_channel import SideChannelClient, SideChannelPool, SideChannelServer
 
@@ -39,20 +40,17 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         self.lease_seconds = float(extra.get("lease_seconds", 30.0))
         self.transfer_timeout = float(extra.get("transfer_timeout", 10.0))
         host, port = side_channel_address(config, dp_rank, tp_rank)
-        assert kv_cache.is_contiguous(), "addresses are computed over one contiguous KV cache tensor"
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", extra.get("protocol", "tcp"), extra.get("device_name", "")):
             raise RuntimeError(f"Mooncake's transfer engine failed to start on {host}")
-        self.base = kv_cache.data_ptr()
-        if self.engine.register_memory(self.base, kv_cache.numel() * kv_cache.element_size()):
-            raise RuntimeError("Mooncake could not register the KV cache memory")
-        # [layers, K/V or latent, blocks, ...]: one block of one tensor of one layer is contiguous.
-        self.num_layers, self.num_tensors, self.num_blocks = kv_cache.shape[:3]
-        self.block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        # Every cache group's blocks, by address (one tensor, or one per group: kv_layout.py).
+        self.kv_layout = KVLayout(kv_cache)
+        for t in self.kv_layout.tensors:
+            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()):
+                raise RuntimeError("Mooncake could not register the KV cache memory")
         # A peer whose blocks we may read: same geometry, and the same weights (the fingerprint), so an
         # instance restarted with another model never feeds us its KV.
-        self.layout = {"num_layers": self.num_layers, "num_tensors": self.num_tensors,
-                       "block_bytes": self.block_bytes, "dtype": str(kv_cache.dtype),
+        self.layout = {"groups": self.kv_layout.describe(), "dtype": str(self.kv_layout.dtype),
                        "block_size": config.cache.block_size, "fingerprint": kv_fingerprint(config)}
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._lock = threading.Lock()
@@ -69,8 +67,9 @@ class MooncakeConnectorWorker(KVConnectorWorker):
     def _handle(self, msg: dict) -> dict:
         op, req_id = msg.get("op"), msg.get("req_id")
         if op == "handshake":
+            groups = self.kv_layout.groups
             return {"engine_id": self.config.kv_transfer.engine_id, "session": self.session,
-                    "base": self.base, "num_blocks": self.num_blocks, **self.layout}
+                    "bases": [g.base for g in groups], "num_blocks": [g.num_blocks for g in groups], **self.layout}
         with self._lock:
             hold = self._holds.get(req_id)
             if op == "pin":
@@ -95,8 +94,8 @@ class MooncakeConnectorWorker(KVConnectorWorker):
         if metadata is None:
             return
         with self._lock:
-            for req_id, block_ids in metadata.holds.items():
-                self._holds[req_id] = _Hold(list(block_ids), time.monotonic() + self.lease_seconds)
+            for req_id, tables in metadata.holds.items():
+                self._holds[req_id] = _Hold([list(t) for t in tables], time.monotonic() + self.lease_seconds)
         for order in metadata.loads:
             self._pool.submit(self._load, order)
 
@@ -122,20 +121,21 @@ class MooncakeConnectorWorker(KVConnectorWorker):
             ok = False
         with self._lock:
             (self._out.finished_recving if ok else self._out.failed_recving).add(order.req_id)
-            if ok and order.local_block_ids:
+            if ok and any(order.local_block_ids):
                 stats = self._out.stats
-                stats.blocks += len(order.local_block_ids)
-                stats.bytes += len(order.local_block_ids) * self.block_bytes * self.num_layers * self.num_tensors
+                stats.blocks += sum(map(len, order.local_block_ids))
+                stats.bytes += sum(len(ids) * g.block_bytes for ids, g in zip(order.local_block_ids,
+                                                                               self.kv_layout.groups))
                 stats.load_seconds.append(time.monotonic() - start)
 
     def _pull(self, client: SideChannelClient, order: LoadOrder) -> bool:
-        if not order.local_block_ids:
+        if not any(order.local_block_ids):
             client.call({"op": "done", "req_id": order.remote_request_id})
             return True
         if client.peer is None:   # once per connection: a restarted producer is a new connection
             client.peer = client.call({"op": "handshake"})
         peer = client.peer
-        if any(peer[k] != v for k, v in self.layout.items()):
+        if any(peer.get(k) != v for k, v in self.layout.items()):
             raise ValueError(f"the producer's KV layout {peer} differs from ours {self.layout}")
         deadline = time.monotonic() + self.transfer_timeout
         while True:   # the producer learns of its hold at its next step: it may not know it yet
@@ -146,32 +146,17 @@ class MooncakeConnectorWorker(KVConnectorWorker):
                 return False
             time.sleep(0.01)
         try:
-            if reply["block_ids"][:len(order.remote_block_ids)] != order.remote_block_ids:
+            # The blocks we read must be ones the producer holds for this request.
+            if any(not set(ids) <= set(held) for ids, held in zip(order.remote_block_ids, reply["block_ids"], strict=True)):
                 return False
-            local, remote, lengths = self._ranges(order.local_block_ids, order.remote_block_ids,
-                                                  peer["base"], peer["num_blocks"])
+            local, remote, lengths = [], [], []
+            for g, (local_ids, remote_ids) in enumerate(zip(order.local_block_ids, order.remote_block_ids)):
+                ranges = self.kv_layout.ranges(g, local_ids, remote_ids, peer["bases"][g], peer["num_blocks"][g])
+                for acc, part in zip((local, remote, lengths), ranges):
+                    acc += part
             return self.engine.batch_transfer_sync_read(peer["session"], local, remote, lengths) == 0
         finally:
             client.call({"op": "done", "req_id": order.remote_request_id})
-
-    def _ranges(self, local_ids: list[int], remote_ids: list[int], remote_base: int,
-                remote_num_blocks: int) -> tuple[list[int], list[int], list[int]]:
-        """(local address, remote address, bytes) for every layer and tensor, runs of consecutive
-        block ids on both sides merged into one range."""
-        runs: list[list[int]] = []   # [local first, remote first, count]
-        for lb, rb in zip(local_ids, remote_ids):
-            if runs and lb == runs[-1][0] + runs[-1][2] and rb == runs[-1][1] + runs[-1][2]:
-                runs[-1][2] += 1
-            else:
-                runs.append([lb, rb, 1])
-        local, remote, lengths = [], [], []
-        bb = self.block_bytes
-        for plane in range(self.num_layers * self.num_tensors):
-            for lb, rb, count in runs:
-                local.append(self.base + (plane * self.num_blocks + lb) * bb)
-                remote.append(remote_base + (plane * remote_num_blocks + rb) * bb)
-                lengths.append(count * bb)
-        return local, remote, lengths
 
     def shutdown(self) -> None:
         self.server.shutdown()

@@ -44,6 +44,15 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self.children = [connector_class(c, 1)(c, dp_rank) for c in child_configs(config)]
         self._loader: dict[str, int] = {}   # req id -> the child loading it
 
+    @classmethod
+    def moves_kv_cache_groups(cls, config: EngineConfig) -> bool:
+        return all(connector_class(c, 1).moves_kv_cache_groups(c) for c in child_configs(config))
+
+    def set_kv_cache_config(self, kv_cache_config) -> None:
+        super().set_kv_cache_config(kv_cache_config)
+        for child in self.children:
+            child.set_kv_cache_config(kv_cache_config)
+
     def validate_request(self, request: Request) -> None:
         for child in self.children:
             child.validate_request(request)
