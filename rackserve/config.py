@@ -61,6 +61,7 @@ class ParallelConfig:
     node_rank: int = 0
     data_parallel_size: int = 1         # attention replicas, each with its own scheduler and KV cache
     enable_expert_parallel: bool = False    # MoE experts sharded over all world_size ranks
+    cpu_omp_threads_bind: tuple[int, ...] | None = None   # CPUs the instance's threads run on; None: all
 
     @property
     def world_size(self) -> int:
@@ -250,6 +251,9 @@ class EngineArgs:
                                         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                                         '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (publisher, '
                                         "buffer_steps, hwm too); DP rank k publishes on port + k")
+    cpu_omp_threads_bind: str | None = _opt(None, "CPUs every thread of the instance runs on, e.g. '0' or "
+                                            "'0-3,8' (vLLM's VLLM_CPU_OMP_THREADS_BIND; default: all): "
+                                            "instances sharing a machine get cores of their own")
 
     enforce_eager: bool = _opt(False, "never compile: every step runs eagerly (as --compilation-config 0)")
     compilation_config: str | None = _opt(None, "torch.compile of the decode path, vLLM's keys: a mode "
@@ -323,8 +327,14 @@ class EngineArgs:
         if backend == "auto":
             backend = "nccl" if device == "cuda" else "gloo"
         _require(backend != "nccl" or device == "cuda", "the nccl backend needs device=cuda")
+        cpus = None
+        if self.cpu_omp_threads_bind:
+            from rackserve.executor.cpu_bind import check_cpus, parse_cpu_list
+            cpus = parse_cpu_list(self.cpu_omp_threads_bind)
+            check_cpus(cpus)
         return ParallelConfig(tp, backend, self.master_addr, self.master_port, nnodes, self.node_rank,
-                              data_parallel_size=dp, enable_expert_parallel=self.enable_expert_parallel)
+                              data_parallel_size=dp, enable_expert_parallel=self.enable_expert_parallel,
+                              cpu_omp_threads_bind=cpus)
 
 
 def add_dataclass_cli_args(cls: type, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

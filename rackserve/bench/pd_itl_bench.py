@@ -5,7 +5,9 @@ those lanes running ("decode-only") and once while long prompts arrive at a fixe
 ("mixed"). The same two phases run, in the same invocation and with the same threads per
 instance, against 1 prefill + 1 decode instance behind `rackserve proxy` ("pd") and against one
 colocated instance ("colocated"). The goal (issue 8): the decoder's P90 ITL under mixed load
-within 1.5x of its decode-only P90 ITL.
+within 1.5x of its decode-only P90 ITL. `--prefill-cpus`/`--decode-cpus` give the prefiller and the
+decoder cores of their own (the CPU analog of their own devices); the colocated instance then gets
+both sets. The proxy and the load generator are not bound.
 
 This file starts and stops the instances it measures and measures only; it never serves.
 """
@@ -45,17 +47,33 @@ def _wait_healthy(procs: list[subprocess.Popen], urls: list[str]) -> None:
         raise RuntimeError(failure)
 
 
+def bind_flags(cpus: str | None) -> list[str]:
+    return [] if not cpus else ["--cpu-omp-threads-bind", cpus]
+
+
+def colocated_binding(args: argparse.Namespace) -> tuple[str | None, int]:
+    """The colocated instance's CPUs and threads: with --prefill-cpus/--decode-cpus, both sets
+    and a thread per CPU (the cores the P/D pair has between them); else unbound, --threads."""
+    if not (args.prefill_cpus and args.decode_cpus):
+        return None, args.threads
+    from rackserve.executor.cpu_bind import format_cpu_list, parse_cpu_list
+    cpus = tuple(sorted(set(parse_cpu_list(args.prefill_cpus)) | set(parse_cpu_list(args.decode_cpus))))
+    return format_cpu_list(cpus), len(cpus)
+
+
 def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[list[subprocess.Popen], str]:
     """The setup's processes (front last) and the URL the load goes to."""
     engine = ["serve", "--model", args.model, "--max-model-len", str(args.max_model_len), *args.engine_args.split()]
     if setup == "colocated":
-        proc, url = _start(engine, args.threads, log_dir, "colocated")
+        cpus, threads = colocated_binding(args)
+        proc, url = _start(engine + bind_flags(cpus), threads, log_dir, "colocated")
         _wait_healthy([proc], [url])
         return [proc], url
     procs, urls = [], []
-    for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+    for role, name, cpus in (("kv_producer", "prefill", args.prefill_cpus), ("kv_consumer", "decode", args.decode_cpus)):
         config = {"kv_connector": "MooncakeConnector", "kv_role": role}
-        proc, url = _start([*engine, "--kv-transfer-config", json.dumps(config)], args.threads, log_dir, name)
+        proc, url = _start([*engine, "--kv-transfer-config", json.dumps(config), *bind_flags(cpus)], args.threads,
+                           log_dir, name)
         procs.append(proc)
         urls.append(url)
     _wait_healthy(procs, urls)
@@ -144,6 +162,8 @@ def run(args: argparse.Namespace) -> dict:
         by = {r["phase"]: r for r in rows if r["setup"] == setup}
         ratios[setup] = by["mixed"]["itl_p90_ms"] / by["decode-only"]["itl_p90_ms"]
     return {"rows": rows, "p90_itl_mixed_over_decode_only": ratios, "goal": GOAL,
+            "binding": {"prefill": args.prefill_cpus, "decode": args.decode_cpus,
+                        "colocated": colocated_binding(args)[0], "threads": args.threads},
             "goal_met": {s: r <= GOAL for s, r in ratios.items()}, "logs": log_dir,
             "limits": measure_limits("cpu").__dict__}
 
@@ -152,6 +172,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the model every instance serves")
     parser.add_argument("--setups", default="pd,colocated", help="pd (1P+1D behind rackserve proxy), colocated")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per instance (OMP_NUM_THREADS)")
+    parser.add_argument("--prefill-cpus", help="CPUs the prefiller is bound to (--cpu-omp-threads-bind), e.g. 0")
+    parser.add_argument("--decode-cpus", help="CPUs the decoder is bound to, e.g. 1; with --prefill-cpus, the "
+                        "colocated instance gets both sets and a thread per CPU")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--engine-args", default="", help="more flags for every instance, space-separated")
     parser.add_argument("--decode-lanes", type=int, default=2, help="streams decoding at once")

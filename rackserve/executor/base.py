@@ -58,4 +58,7 @@ register_executor = EXECUTORS.register
 
 def create_executor(config: EngineConfig, name: str | None = None) -> Executor:
     """The executor registered as `name`; by default "uniproc" for one rank, "mp" for more."""
+    if config.parallel.cpu_omp_threads_bind:   # before the model loads and any rank or torch thread starts
+        from rackserve.executor.cpu_bind import bind_process_threads
+        bind_process_threads(config.parallel.cpu_omp_threads_bind)
     return EXECUTORS.get(name or ("uniproc" if config.parallel.world_size == 1 else "mp"))(config)
