@@ -59,6 +59,16 @@ def tiny_deepseek_v3_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_v4_kv_dir(tmp_path_factory) -> str:
+    """DeepSeek-V4 (tests/tiny_models.py DEEPSEEK_V4): KV cache groups (a 16-token sliding window,
+    CSA entries of 4 tokens, HCA entries of 16), for the KV connectors' tests."""
+    from tests.tiny_models import build_tiny_deepseek_v4
+    path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("tiny_dsv4_kv"), seed=11)
+    save_test_tokenizer(path, 512)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_deepseek_v3_nolora_dir(tmp_path_factory) -> str:
     """DeepSeek-V3 variant: q_proj (no q_lora_rank), rope rows not interleaved, default RoPE, no
     expert groups, two shared experts, weights not renormalised."""

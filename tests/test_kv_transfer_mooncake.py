@@ -41,17 +41,7 @@ def _prefill_then_decode(prefiller: LLM, decoder: LLM, prompt: list[int], max_to
 PROMPTS = [[1], [5, 6, 7, 8, 9, 10, 11, 12], [3 + (i * 7) % 500 for i in range(23)]]
 
 
-@pytest.fixture(scope="module")
-def tiny_deepseek_v4_dir(tmp_path_factory) -> str:
-    """DeepSeek-V4: KV cache groups (a sliding window, CSA and HCA entries)."""
-    from tests.tiny_models import build_tiny_deepseek_v4
-    from tests.tokenizer_utils import save_test_tokenizer
-    path = build_tiny_deepseek_v4(tmp_path_factory.mktemp("tiny_dsv4_kv"), seed=11)
-    save_test_tokenizer(path, 512)
-    return path
-
-
-def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_deepseek_v4_dir):
+def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_deepseek_v4_kv_dir):
     """DeepSeek-V4's cache has three groups (a 16-token window, CSA entries of 4 tokens, HCA
     entries of 16). The prefiller prefills in chunks of 8, so its window group gives back the
     blocks behind the window before the request ends: the params name only the ones it holds,
@@ -61,9 +51,9 @@ def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_
     first = [3 + (i * 7) % 500 for i in range(45)]            # 11 blocks and a partial one, past the window
     prompts = [first, first[:40] + [9, 8, 7, 6, 5, 4, 3], [5, 6, 7]]
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    with _llm(tiny_deepseek_v4_dir, None) as single, \
-            _llm(tiny_deepseek_v4_dir, "kv_producer", max_num_batched_tokens=8) as prefiller, \
-            _llm(tiny_deepseek_v4_dir, "kv_consumer") as decoder:
+    with _llm(tiny_deepseek_v4_kv_dir, None) as single, \
+            _llm(tiny_deepseek_v4_kv_dir, "kv_producer", max_num_batched_tokens=8) as prefiller, \
+            _llm(tiny_deepseek_v4_kv_dir, "kv_consumer") as decoder:
         for k, prompt in enumerate(prompts):
             [want] = single.generate({"prompt_token_ids": prompt}, greedy)
             [pre] = prefiller.generate({"prompt_token_ids": prompt}, SamplingParams(
@@ -83,12 +73,6 @@ def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_
         for llm in (prefiller, decoder):
             llm.engine.core.check_integrity()
             assert llm.engine.core.scheduler.kv.usage() == 0.0
-
-
-def test_a_connector_that_moves_one_cache_group_refuses_deepseek_v4(tiny_deepseek_v4_dir):
-    with pytest.raises(ValueError, match="OffloadingConnector moves one KV cache group"):
-        LLM(tiny_deepseek_v4_dir, dtype="float32", device="cpu", max_model_len=256, block_size=4,
-            kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"})
 
 
 @pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),

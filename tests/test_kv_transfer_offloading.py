@@ -74,3 +74,31 @@ def test_a_bounded_disk_forgets_its_oldest_blocks(tiny_llama_dir, tmp_path):
         [rank_dir] = tmp_path.glob("*/tp0")   # <KV fingerprint>/<TP rank>
         assert len(list(rank_dir.iterdir())) == 6
         llm.engine.core.check_integrity()
+
+
+def test_deepseek_v4_cache_groups_spill_to_disk_and_a_restart_reuses_them(tiny_deepseek_v4_kv_dir, tmp_path):
+    """Every cache group's full blocks go to the tier (the window's too, before the window leaves
+    them behind). Two host blocks per group, so the fillers push the prompt's blocks to disk; a
+    restarted instance loads the 32 tokens that fill whole blocks of every group (HCA's are 16):
+    each compressed block before them and the window blocks the next token reads."""
+    prompt = [3 + (i * 7) % 500 for i in range(45)]
+    fillers = [[11 + (i * 13 + k * 101) % 480 for i in range(40)] for k in range(2)]
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": dict(
+        cpu_bytes=20_000, disk_path=str(tmp_path), disk_bytes=1 << 30)}   # a group's three blocks: 9728 bytes
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def v4(config: dict | None) -> LLM:
+        return LLM(tiny_deepseek_v4_kv_dir, dtype="float32", device="cpu", max_model_len=64,
+                   num_gpu_blocks_override=16, block_size=BLOCK, kv_transfer_config=config)
+    with v4(None) as plain:
+        [want] = plain.generate({"prompt_token_ids": prompt}, greedy)
+    with v4(tier) as llm:
+        for tokens in [prompt, *fillers]:
+            llm.generate({"prompt_token_ids": tokens}, greedy)
+        assert llm.engine.core.executor.runner.kv_connector.usage()[1] > 0
+        llm.engine.core.check_integrity()
+    with v4(tier) as restarted:
+        [out] = restarted.generate({"prompt_token_ids": prompt}, greedy)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert out.num_cached_tokens == 32
+        restarted.engine.core.check_integrity()

@@ -78,6 +78,25 @@ def test_a_prefix_computed_on_one_instance_is_a_hit_on_another(pool, tiny_llama_
             assert out.num_cached_tokens == 0
 
 
+def test_a_deepseek_v4_prefix_from_one_instance_is_a_hit_on_another(pool, tiny_deepseek_v4_kv_dir):
+    """Every cache group's blocks go to the pool; instance B loads the 32 tokens that fill whole
+    blocks of every group (HCA's are 16) and computes the rest, with A's tokens."""
+    _, address = pool
+    prompt = [3 + (i * 7) % 500 for i in range(45)]
+    with _llm(tiny_deepseek_v4_kv_dir, None) as plain:
+        [want] = plain.generate({"prompt_token_ids": prompt}, GREEDY)
+    with _llm(tiny_deepseek_v4_kv_dir, _store(address)) as a:
+        [out] = a.generate({"prompt_token_ids": prompt}, GREEDY)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids and out.num_cached_tokens == 0
+        _flush(a)
+        with _llm(tiny_deepseek_v4_kv_dir, _store(address)) as b:
+            [out] = b.generate({"prompt_token_ids": prompt}, GREEDY)
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+            assert out.num_cached_tokens == 32
+            b.engine.core.check_integrity()
+        a.engine.core.check_integrity()
+
+
 def test_multi_connector_disaggregates_and_pools_at_once(pool, tiny_llama_dir, want):
     _, address = pool
     prompt = [9 + (i * 11) % 400 for i in range(19)]
@@ -125,3 +144,4 @@ def test_a_dead_pool_master_costs_hits_not_answers(pool, tiny_llama_dir, want):
         [out] = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
         assert out.outputs[0].token_ids == want
         llm.engine.core.check_integrity()
+

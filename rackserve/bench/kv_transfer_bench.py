@@ -116,17 +116,17 @@ def run(args: argparse.Namespace) -> dict:
 
             p2p_ms = _median_ms(p2p, args.repeats)
             assert torch.equal(target[:, :, local], source[:, :, remote]), "P2P moved the wrong bytes"
-            stored: list[list[tuple[int, int]]] = []
+            stored: list[list[tuple[int, int, int]]] = []
 
             def put() -> None:
-                pairs = [(random.getrandbits(63), b) for b in remote]
+                pairs = [(random.getrandbits(63), b, 0) for b in remote]
                 writer.save_kv(OffloadingMetadata(stores=pairs))
                 writer.wait_for_stores()
                 stored.append(pairs)
 
             def get() -> None:
                 pairs = stored.pop()
-                reader._load("bench", [(h, lb) for (h, _), lb in zip(pairs, local)])
+                reader._load("bench", [(h, lb, 0) for (h, _, _), lb in zip(pairs, local)])
                 assert "bench" in reader.get_finished().finished_recving, "the store load failed"
 
             put_ms = _median_ms(put, args.repeats)

@@ -50,5 +50,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int = 0,
     return extend_block_hashes([], token_ids, block_size, seed, salt)
 
 
+def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The name of KV cache group `group`'s block whose span ends with the engine block named
+    `block_hash` (kv_transfer/group_blocks.py), distinct from every other group's."""
+    return _digest(block_hash.to_bytes(8, "little") + b"group:" + str(group).encode())
+
+
 def _digest(data: bytes) -> BlockHash:
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")

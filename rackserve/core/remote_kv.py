@@ -33,7 +33,7 @@ class RemoteKV:
         self.sending: dict[str, Request] = {}
         self.grouped = isinstance(kv, HybridKVCacheManager)   # several cache groups: block ids per group
 
-    def _block_ids(self, request: Request) -> list[int] | tuple[list[int | None], ...]:
+    def connector_block_ids(self, request: Request) -> list[int] | tuple[list[int | None], ...]:
         """What the connector is told a request holds: its table, or one per cache group."""
         return self.kv.transfer_block_ids(request) if self.grouped else self.kv.block_ids(request)
 
@@ -53,12 +53,12 @@ class RemoteKV:
         request.num_computed_tokens = hit.num_tokens
         self.loading[request.request_id] = (request, num_external)
         num_local = self.kv.hit_blocks(request) if self.grouped else len(hit.blocks)
-        self.connector.update_state_after_alloc(request, self._block_ids(request), num_local, num_external)
+        self.connector.update_state_after_alloc(request, self.connector_block_ids(request), num_local, num_external)
         return True
 
     def finish(self, request: Request) -> dict | None:
         """A request ended: free its blocks or hold them for a peer; the connector's params back."""
-        hold, params = self.connector.request_finished(request, self._block_ids(request))
+        hold, params = self.connector.request_finished(request, self.connector_block_ids(request))
         if hold:
             self.sending[request.request_id] = request
         else:

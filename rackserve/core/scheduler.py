@@ -191,7 +191,8 @@ class Scheduler:
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
             if self.connector:   # told before it builds this step's orders: a store rides this step
-                self.connector.request_scheduled(self.requests[req_id], self.kv.block_ids(self.requests[req_id]))
+                request = self.requests[req_id]
+                self.connector.request_scheduled(request, self.remote.connector_block_ids(request))
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                  total_num_scheduled_tokens=sum(num_scheduled.values()),
                                  finished_req_ids=self._drop_from_workers,

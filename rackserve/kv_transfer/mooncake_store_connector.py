@@ -23,6 +23,7 @@ from rackserve.config import EngineConfig
 from rackserve.core.request import Request
 from rackserve.kv_transfer.base import KVConnectorOutput, KVConnectorWorker
 from rackserve.kv_transfer.fingerprint import kv_fingerprint
+from rackserve.kv_transfer.kv_layout import KVLayout
 from rackserve.kv_transfer.offloading_connector import OffloadingConnectorScheduler, OffloadingMetadata
 
 
@@ -59,17 +60,24 @@ class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
         self.store = open_store(config, 0)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if self.group_blocks is not None:
+            return self.group_blocks.hit_tokens(request, num_computed_tokens, self._exist)
         first, last = num_computed_tokens // self.block_size, (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[first:last]
         if not hashes:
             return 0
-        found = self.store.batch_is_exist([store_key(self.fingerprint, 0, h) for h in hashes])
         n = 0
-        for exists in found:   # 1: stored, 0: not, -1: the pool did not answer (a miss too)
-            if exists != 1:
+        for exists in self._exist(hashes):
+            if not exists:
                 break
             n += 1
         return n * self.block_size
+
+    def _exist(self, keys: list[int]) -> list[bool]:
+        """Which keys the pool holds (1: stored; 0: not; -1: the pool did not answer, a miss too)."""
+        if not keys:
+            return []
+        return [found == 1 for found in self.store.batch_is_exist([store_key(self.fingerprint, 0, k) for k in keys])]
 
 
 class MooncakeStoreConnectorWorker(KVConnectorWorker):
@@ -84,18 +92,15 @@ class MooncakeStoreConnectorWorker(KVConnectorWorker):
         extra = config.kv_transfer.kv_connector_extra_config
         self.store = open_store(config, int(extra.get("global_segment_size", 256 << 20)))
         self.fingerprint = kv_fingerprint(config)
-        assert kv_cache.is_contiguous(), "addresses are computed over one contiguous KV cache tensor"
-        block = kv_cache[:, :, 0]
-        self.block_shape, self.dtype = tuple(block.shape), block.dtype
-        self.block_bytes = block.numel() * block.element_size()
-        self.num_planes, self.num_blocks = kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[2]
-        self.plane_bytes = self.block_bytes // self.num_planes
+        self.layout = KVLayout(kv_cache)   # one group, or one per cache group (kv_layout.py)
+        self.block_bytes = [g.block_bytes for g in self.layout.groups]
         # Bounded staging for puts (`store_staging_bytes`): a burst beyond it is not pooled, and
-        # the step never waits for room.
-        slots = max(1, int(extra.get("store_staging_bytes", 64 << 20)) // self.block_bytes)
-        self.staging = torch.empty((slots, *self.block_shape), dtype=self.dtype)
+        # the step never waits for room. A slot holds the largest group's block.
+        slot_bytes = max(self.block_bytes)
+        slots = max(1, int(extra.get("store_staging_bytes", 64 << 20)) // slot_bytes)
+        self.staging = torch.empty((slots, slot_bytes), dtype=torch.uint8)
         self._free_slots = list(range(slots))
-        for tensor in (kv_cache, self.staging):
+        for tensor in (*self.layout.tensors, self.staging):
             if self.store.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size()):
                 raise RuntimeError("Mooncake's store could not register the KV cache or its staging buffer")
         self._lock = threading.Lock()
@@ -110,22 +115,19 @@ class MooncakeStoreConnectorWorker(KVConnectorWorker):
         for req_id, pairs in (metadata.loads.items() if metadata else ()):
             self._thread.submit(self._load, req_id, pairs)
 
-    def _planes(self, block_id: int) -> list[int]:
-        base = self.kv_cache.data_ptr()
-        return [base + (plane * self.num_blocks + block_id) * self.plane_bytes for plane in range(self.num_planes)]
-
-    def _load(self, req_id: str, pairs: list[tuple[int, int]]) -> None:
+    def _load(self, req_id: str, orders: list[tuple[int, int, int]]) -> None:
         start = time.monotonic()
+        groups = self.layout.groups
         try:
-            todo = list(pairs)
+            todo = list(orders)
             # Bytes read per key; less (evicted meanwhile) or negative (the pool is gone, or one
             # transfer of a large batch failed: -800 seen now and then over TCP here) is a miss.
             # A key that failed is asked again, twice at most, before the load counts as failed.
             for _ in range(3):
                 got = self.store.batch_get_into_multi_buffers(
-                    [self._key(h) for h, _ in todo], [self._planes(b) for _, b in todo],
-                    [[self.plane_bytes] * self.num_planes] * len(todo))
-                todo = [pair for pair, n in zip(todo, got) if n != self.block_bytes]
+                    [self._key(k) for k, _, _ in todo], [groups[g].addresses(b) for _, b, g in todo],
+                    [[groups[g].plane_bytes] * groups[g].num_planes for _, _, g in todo])
+                todo = [order for order, n in zip(todo, got) if n != self.block_bytes[order[2]]]
                 if not todo:
                     break
             ok = not todo
@@ -134,39 +136,41 @@ class MooncakeStoreConnectorWorker(KVConnectorWorker):
         with self._lock:
             (self._out.finished_recving if ok else self._out.failed_recving).add(req_id)
             if ok:
-                self._out.stats.blocks += len(pairs)
-                self._out.stats.bytes += len(pairs) * self.block_bytes
+                self._out.stats.blocks += len(orders)
+                self._out.stats.bytes += sum(self.block_bytes[g] for _, _, g in orders)
                 self._out.stats.load_seconds.append(time.monotonic() - start)
 
     def save_kv(self, metadata: OffloadingMetadata | None) -> None:
         """Copy the step's new full blocks to staging now (their blocks may be reused next step);
         put them from the store thread, in one batch."""
         staged = []
-        for block_hash, block_id in (metadata.stores if metadata else ()):
+        for key, block_id, group in (metadata.stores if metadata else ()):
             with self._lock:
                 if not self._free_slots:
                     break
                 slot = self._free_slots.pop()
-            self.staging[slot].copy_(self.kv_cache[:, :, block_id])
-            staged.append((block_hash, slot))
+            block = self.layout.block(group, block_id)
+            # The staging slot seen as the block's dtype and shape: one strided copy, planes in order.
+            self.staging[slot, :self.block_bytes[group]].view(block.dtype).view(block.shape).copy_(block)
+            staged.append((key, slot, self.block_bytes[group]))
         if staged:
             self._thread.submit(self._put, staged)
 
-    def _put(self, staged: list[tuple[int, int]]) -> None:
+    def _put(self, staged: list[tuple[int, int, int]]) -> None:
         start = time.monotonic()
-        base = self.staging.data_ptr()
+        base, slot_bytes = self.staging.data_ptr(), self.staging.shape[1]
         try:
-            statuses = self.store.batch_put_from([self._key(h) for h, _ in staged],
-                                                 [base + slot * self.block_bytes for _, slot in staged],
-                                                 [self.block_bytes] * len(staged))
+            statuses = self.store.batch_put_from([self._key(k) for k, _, _ in staged],
+                                                 [base + slot * slot_bytes for _, slot, _ in staged],
+                                                 [n for _, _, n in staged])
         except Exception:   # noqa: BLE001 - a store that failed is a block not pooled, nothing worse
             statuses = [-1] * len(staged)
         with self._lock:
-            self._free_slots.extend(slot for _, slot in staged)
-            stored = [h for (h, _), status in zip(staged, statuses) if status == 0]
-            self._out.stored_hashes += stored
+            self._free_slots.extend(slot for _, slot, _ in staged)
+            stored = [(k, n) for (k, _, n), status in zip(staged, statuses) if status == 0]
+            self._out.stored_hashes += [k for k, _ in stored]
             self._out.stats.blocks += len(stored)
-            self._out.stats.bytes += len(stored) * self.block_bytes
+            self._out.stats.bytes += sum(n for _, n in stored)
             if stored:
                 self._out.stats.store_seconds.append(time.monotonic() - start)
 
