@@ -104,7 +104,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, mixed: bool,
     end = time.perf_counter() + args.duration
 
     def prompt(n: int) -> list[int]:   # fresh tokens: no prefix hit anywhere
-        return [rng.randrange(100, 40000) for _ in range(n)]
+        return [rng.randrange(100, args.max_token_id) for _ in range(n)]
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
         async def lane() -> None:
@@ -185,6 +185,8 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-interval", type=float, default=3.0, help="seconds between long prompts (mixed)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per phase")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-token-id", type=int, default=40000,
+                        help="prompt tokens are drawn from [100, this): below the model's vocabulary")
     parser.add_argument("--output", help="write the results as JSON here")
 
 

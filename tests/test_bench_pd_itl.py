@@ -1,0 +1,36 @@
+"""`rackserve bench pd-itl` end to end at a tiny size: it starts a prefiller and a decoder bound to
+CPUs of their own behind `rackserve proxy`, runs the decode-only and the mixed phase, stops
+everything, and records ITLs, the ratio the goal is about and the binding (the colocated setup is
+the same code path with one instance; left out to keep the test short). Pins that the benchmark
+runs and reports, never its figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rackserve.executor.cpu_bind import format_cpu_list
+
+
+def test_bench_pd_itl_runs_disaggregated_and_records_the_goal(tiny_llama_dir, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    prefill, decode = str(cpus[0]), str(cpus[-1])
+    out = tmp_path / "pd-itl.json"
+    subprocess.run([sys.executable, "-m", "rackserve", "bench", "pd-itl", "--model", tiny_llama_dir,
+                    "--max-model-len", "256", "--setups", "pd", "--engine-args", "--dtype float32 --device cpu",
+                    "--prefill-cpus", prefill, "--decode-cpus", decode, "--duration", "2",
+                    "--decode-tokens", "8", "--long-prompt-tokens", "96", "--long-output-tokens", "2",
+                    "--long-interval", "0.5", "--max-token-id", "500", "--output", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    rows = {(r["setup"], r["phase"]): r for r in result["rows"]}
+    assert set(rows) == {("pd", "decode-only"), ("pd", "mixed")}
+    for (setup, phase), row in rows.items():
+        assert row["itl_count"] > 1 and 0 < row["itl_p50_ms"] <= row["itl_p90_ms"]
+        assert (row["long_prompts"] > 0) == (phase == "mixed")
+    ratio = rows[("pd", "mixed")]["itl_p90_ms"] / rows[("pd", "decode-only")]["itl_p90_ms"]
+    assert abs(result["p90_itl_mixed_over_decode_only"]["pd"] - ratio) < 1e-9
+    assert result["goal_met"]["pd"] == (ratio <= result["goal"])
+    both = format_cpu_list(tuple(sorted({cpus[0], cpus[-1]})))
+    assert result["binding"] == {"prefill": prefill, "decode": decode, "colocated": both, "threads": 1}
+    assert "--prefill-cpus" in result["command"]
