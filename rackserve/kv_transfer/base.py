@@ -156,8 +156,7 @@ def check_kv_cache_groups(config: EngineConfig) -> None:
     """Raise ValueError if the configured connector cannot move a cache of several groups."""
     if config.kv_transfer is not None and not connector_class(config, 1).moves_kv_cache_groups(config):
         raise ValueError(f"{config.kv_transfer.kv_connector} moves one KV cache group; this model's cache has "
-                         "several (a sliding window and compressed entries): use MooncakeConnector, or run "
-                         "without --kv-transfer-config")
+                         "several (a sliding window and compressed entries): run it without --kv-transfer-config")
 
 
 def create_kv_connector_scheduler(config: EngineConfig, dp_rank: int = 0,
