@@ -3,9 +3,14 @@ with a ValueError (a 400 on the server) before the scheduler or a transfer threa
 the engine goes on serving. A wrong `remote_port` type used to end the engine for every request."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rackserve import LLM, SamplingParams
+from rackserve.config import KVTransferConfig
+from rackserve.kv_transfer.base import KV_CONNECTORS, KVConnectorScheduler, connector_class, \
+    create_kv_connector_scheduler
 from rackserve.kv_transfer.mooncake_connector import check_remote_params
 
 GOOD = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
@@ -43,3 +48,42 @@ def test_engine_survives_malformed_params(tiny_llama_dir):
     [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3
     llm.engine.core.check_integrity()
+
+
+class _OneGroupConnector(KVConnectorScheduler):
+    """A connector that moves one cache group only (the base's default)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0
+
+    def update_state_after_alloc(self, request, block_ids, num_local_blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self):
+        return None
+
+
+def test_a_connector_that_moves_one_cache_group_is_refused_for_several(tiny_llama_dir, monkeypatch):
+    from rackserve.config import EngineArgs
+    from rackserve.core.kv_cache_groups import KVCacheConfig, KVCacheGroup
+    monkeypatch.setitem(KV_CONNECTORS, "OneGroup", (__name__, "_OneGroupConnector", "_OneGroupConnector"))
+    config = EngineArgs(model=tiny_llama_dir, device="cpu", kv_transfer_config={"kv_connector": "OneGroup"}) \
+        .create_engine_config()
+    groups = KVCacheConfig((KVCacheGroup("window", 4, 8, 1.0, sliding_window=7), KVCacheGroup("csa", 4, 8, 1.0)), 8, 2)
+    assert create_kv_connector_scheduler(config).kv_cache_config is None   # one group: fine
+    with pytest.raises(ValueError, match="OneGroup moves one KV cache group"):
+        create_kv_connector_scheduler(config, 0, groups)
+    for name in ("MooncakeConnector", "MooncakeStoreConnector", "OffloadingConnector"):
+        assert connector_class(dataclasses.replace(config, kv_transfer=KVTransferConfig(name)), 1) \
+            .moves_kv_cache_groups(config)
+
+
+def test_params_of_a_model_with_cache_groups_name_one_list_per_group():
+    grouped = {**GOOD, "remote_block_ids": [[None, None, 7], [1, 2, 3], [4]], "remote_num_tokens": 10}
+    check_remote_params(grouped, block_size=4, group_block_sizes=[4, 4, 16])
+    with pytest.raises(ValueError, match="3 lists, one per KV cache group"):
+        check_remote_params(GOOD, block_size=4, group_block_sizes=[4, 4, 16])
+    with pytest.raises(ValueError, match="too few"):
+        check_remote_params({**grouped, "remote_block_ids": [[7], [1, 2, 3], [4]]}, 4, [4, 4, 16])
+    with pytest.raises(ValueError, match="non-negative integers"):   # null only where groups allow it
+        check_remote_params({**GOOD, "remote_block_ids": [None, 1, 2]}, block_size=4)
