@@ -103,3 +103,23 @@ def test_replay_start_follows_the_receptive_field_of_stacked_windows():
     # Three layers: three windows; no compressed block hit at all means nothing to save.
     assert c.replay_start(400, [100, 25], 1) == 400 - 21
     assert c.replay_start(400, [0, 0], BS) == 0
+
+
+def test_kv_arriving_from_elsewhere_gets_the_window_its_next_token_reads_and_is_cached_once_landed():
+    """A load (delay_caching) of a 200-token prompt through a window group of 8 blocks: the window
+    group allocates only the blocks holding the last KEEP tokens before the next one, the
+    compressed groups every block; nothing joins the prefix cache until the next allocation."""
+    kv = HybridKVCacheManager(config(window_blocks=8), BS)
+    req = request("r", list(range(3, 204)))   # 201 tokens: 200 arrive, the last is computed here
+    ids = kv.allocate_slots(req, 200, delay_caching=True)
+    assert ids is not None
+    window, csa, hca = kv.transfer_block_ids(req)
+    first_kept = (200 - KEEP) // BS
+    assert window[:first_kept] == [None] * first_kept and None not in window[first_kept:]
+    assert len(window) == 50 and len(csa) == 50 and len(hca) == 13
+    assert kv.pools[1].get_cached_block(kv._hashes(req, 1)[0]) is None   # not hit before it landed
+    req.num_computed_tokens = 200
+    assert kv.allocate_slots(req, 1) is not None   # landed: the next token is computed here
+    assert kv.pools[1].get_cached_block(kv._hashes(req, 1)[0]) is not None
+    kv.free(req)
+    kv.check_integrity()
