@@ -10,6 +10,7 @@ only: no text, no tokenizer, no HTTP, no threads. The same class runs a real mod
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from rackserve.config import EngineConfig
 from rackserve.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -21,7 +22,10 @@ from rackserve.executor.base import Executor, create_executor
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None, placement: DPPlacement = least_load):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, placement: DPPlacement = least_load,
+                 sleep: Callable[[float], None] = time.sleep):
+        """`sleep`: how an empty step waiting on KV transfers polls (a simulator's executor
+        advances its virtual clock instead and passes one that returns at once)."""
         self.executor = executor or create_executor(config)
         try:
             self.config = config.with_model_len(self.executor.model_max_len)
@@ -33,6 +37,7 @@ class EngineCore:
                 self.executor.shutdown()
             raise
         self.placement = placement
+        self.sleep = sleep
 
     @property
     def scheduler(self) -> Scheduler:
@@ -74,7 +79,7 @@ class EngineCore:
         scheduler_outputs = [s.schedule() for s in self.schedulers]
         runner_outputs = self.executor.execute_dp(scheduler_outputs)
         if all(so.is_empty for so in scheduler_outputs) and self.has_kv_transfers():
-            time.sleep(0.002)   # only waiting on KV transfers: poll, do not spin a core
+            self.sleep(0.002)   # only waiting on KV transfers: poll, do not spin a core
         outputs = [out for s, so, ro in zip(self.schedulers, scheduler_outputs, runner_outputs)
                    for out in s.update_from_output(so, ro)]
         return outputs, self.make_stats(runner_outputs)

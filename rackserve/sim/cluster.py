@@ -31,6 +31,7 @@ class _Pending:
     done: asyncio.Future
     on_first: Callable[[], None]
     tokens: int = 0
+    kv_transfer_params: dict | None = None     # what the request's end hands a decoder (P/D)
 
 
 @dataclass
@@ -65,24 +66,28 @@ class SimInstance:
         return len(self.pending)
 
     async def generate(self, req_id: str, token_ids: list[int], max_tokens: int, record: RequestRecord,
-                       dp_rank: int | None = None, on_first: Callable[[], None] = lambda: None) -> None:
+                       dp_rank: int | None = None, on_first: Callable[[], None] = lambda: None,
+                       kv_transfer_params: dict | None = None) -> dict | None:
         """Run one request to its end, filling `record` as a streaming client would; on `dp_rank`
-        when a router pinned one, else where the engine places it."""
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        when a router pinned one, else where the engine places it. Returns the kv_transfer_params
+        its end hands back (a P/D prefill's: where a decoder pulls its KV)."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, kv_transfer_params=kv_transfer_params)
         if len(token_ids) + max_tokens > self.max_model_len:
             record.error, record.error_message = CONTEXT_OVERFLOW, f"maximum context length is {self.max_model_len}"
-            return
+            return None
         self.core.add_requests([Request(req_id, token_ids, params, arrival_time=self.clock())], dp_rank)
         pending = self.pending[req_id] = _Pending(record, asyncio.get_running_loop().create_future(), on_first)
         record.prompt_tokens = len(token_ids)
         self._wake.set()
         await pending.done
+        return pending.kv_transfer_params
 
     async def run(self) -> None:
         """The step loop, until cancelled."""
         executor = self.core.executor
         while True:
-            if not self.core.has_unfinished_requests():
+            # Blocks held for a decoder keep the steps going, to hear when they may go.
+            if not (self.core.has_unfinished_requests() or self.core.has_kv_transfers()):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -106,6 +111,7 @@ class SimInstance:
                     pending.tokens += len(out.new_token_ids)
                 if out.finished:
                     record.output_tokens, record.cached_tokens = pending.tokens, out.num_cached_tokens
+                    pending.kv_transfer_params = out.kv_transfer_params
                     del self.pending[out.req_id]
                     pending.done.set_result(None)
 
@@ -123,30 +129,34 @@ class SimInstance:
 
 
 class Tokens:
-    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token."""
+    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token.
+    Ids wrap at the vocabulary's size, so a real model can take them too (a step trace)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.ids: dict[str, int] = {}
+        self.vocab_size = vocab_size
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.ids
-        return [ids.setdefault(word, len(ids)) for m in messages for word in m["content"].split()]
+        ids, vocab = self.ids, self.vocab_size
+        return [ids.setdefault(word, len(ids) % vocab) for m in messages for word in m["content"].split()]
 
 
 class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
-    def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float]):
+    def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float],
+                 vocab_size: int):
         self.instances, self.router, self.clock = instances, router, clock
-        self.tokens = Tokens()
+        self.tokens = Tokens(vocab_size)
         self._ids = itertools.count()
         self.prefill: list[SimInstance] = []
 
-    def disaggregate(self, prefill: list[SimInstance], router: SimRouter,
-                     transfer_seconds: Callable[[int], float]) -> None:
-        """P/D: prompts are computed on `prefill` instances (their first token is the TTFT), their
-        new KV then crosses the link (transfer_seconds(tokens)) to a decode instance."""
-        self.prefill, self.prefill_router, self.transfer_seconds = prefill, router, transfer_seconds
+    def disaggregate(self, prefill: list[SimInstance], router: SimRouter) -> None:
+        """P/D, as router/pd_proxy.py does it: a prompt goes first to a `prefill` instance with
+        max_tokens=1 and do_remote_decode, then whole to a decode instance with the params the
+        prefill handed back; the decoder's connector pulls the KV over the link (sim/transfer.py)
+        and its tokens are the ones streamed (its first is the TTFT)."""
+        self.prefill, self.prefill_router = prefill, router
 
     async def send(self, messages: list[dict[str, str]], record: RequestRecord) -> RequestRecord:
         token_ids = self.tokens.encode(messages)
@@ -161,23 +171,22 @@ class SimClient:
 
     @staticmethod
     async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: list[int],
-                      max_tokens: int, record: RequestRecord) -> None:
+                      max_tokens: int, record: RequestRecord, kv_transfer_params: dict | None = None) -> dict | None:
         route = router.pick(instances, token_ids, req_id)
         try:
-            await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
-                                                     lambda: router.first_token(req_id))
+            return await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
+                                                            lambda: router.first_token(req_id), kv_transfer_params)
         finally:
             router.finish(req_id)
 
     async def _disaggregated(self, token_ids: list[int], record: RequestRecord) -> None:
         req_id = f"sim-{next(self._ids)}"
-        await self._routed(self.prefill, self.prefill_router, req_id, token_ids, 1, record)
-        if not record.ok or record.max_tokens == 1:
+        prefilled = dataclasses.replace(record, chunk_times=[], first_chunk=None)
+        params = await self._routed(self.prefill, self.prefill_router, req_id, token_ids, 1, prefilled,
+                                    {"do_remote_decode": True})
+        if not prefilled.ok:
+            record.error, record.error_message = prefilled.error, prefilled.error_message
             return
-        await asyncio.sleep(self.transfer_seconds(len(token_ids) - (record.cached_tokens or 0)))
-        rest = dataclasses.replace(record, chunk_times=[], first_chunk=None)
-        # The first token came from the prefill instance; its id is a stand-in here too.
-        await self._routed(self.instances, self.router, req_id + "-d", token_ids + [0], record.max_tokens - 1, rest)
-        record.error, record.error_message = rest.error, rest.error_message
-        record.chunk_times += rest.chunk_times
-        record.output_tokens = 1 + (rest.output_tokens or 0)
+        await self._routed(self.instances, self.router, req_id + "-d", token_ids, record.max_tokens, record, params)
+        # The hit rate is the prefill pool's, where a hit saves compute.
+        record.cached_tokens = prefilled.cached_tokens

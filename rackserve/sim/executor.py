@@ -21,6 +21,7 @@ from rackserve.sim.cost import CostModel, ParallelShape, SeqWork, StepCost
 from rackserve.sim.hardware import GIB, load_hardware
 from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
+from rackserve.sim.transfer import SimTransfer
 
 
 class StepPricer(Protocol):
@@ -49,22 +50,22 @@ def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
 @register_executor("sim")
 class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, pricer: StepPricer | None = None, spec: ModelSpec | None = None,
-                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0, kv_arrives: bool = False,
-                 kv_pool: KVPool | None = None):
+                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0, kv_pool: KVPool | None = None,
+                 transfer: SimTransfer | None = None):
         """Defaults (as the registry builds it): the model's config.json at config.model.model and
         this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
         decode step returns 1 + the accepted draft tokens, and the next step verifies them.
-        `kv_arrives`: a decode instance of a P/D pair, whose prompts' KV comes over the link from
-        a prefill instance: a prompt costs its last token's decode only (the transfer is timed by
-        the caller, before the request arrives). `kv_pool`: a pool shared with other instances
-        (sim/kv_pool.py); prompt tokens it holds beyond the instance's own hit load at its bandwidth."""
+        `transfer`: the KV connector's worker half on the simulated link (P/D: sim/transfer.py
+        carries out the orders of the engine's connector scheduler halves). `kv_pool`: a pool
+        shared with other instances (sim/kv_pool.py); prompt tokens it holds beyond the
+        instance's own hit load at its bandwidth."""
         p = config.parallel
         self.spec = spec or load_model_spec(config.model.model)
         self.pricer = pricer or CostModel(self.spec, load_hardware("cpu"),
                                           ParallelShape(p.tensor_parallel_size, p.data_parallel_size,
                                                         p.enable_expert_parallel), config.model.seed)
         self.num_speculative_tokens, self.acceptance_rate = num_speculative_tokens, acceptance_rate
-        self.kv_arrives, self.kv_pool = kv_arrives, kv_pool
+        self.kv_pool, self.transfer = kv_pool, transfer
         self.model_max_len = self.spec.max_model_len
         self.vocab_size = self.spec.vocab_size
         self.num_kv_blocks = kv_blocks_for(self.spec, config)
@@ -87,6 +88,7 @@ class SimExecutor(Executor):
         cost = self.pricer.step([[w for _, w, _ in batch if w.new_tokens] for batch in batches])
         # Pool loads run beside the step's compute (layer by layer, as connectors pipeline them).
         self.last_cost, self.last_step_seconds = cost, max(cost.seconds, self._load_seconds(batches))
+        connector = self._transfers(scheduler_outputs, batches)
         outputs = []
         for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
             req_ids, sampled = [], []
@@ -102,8 +104,22 @@ class SimExecutor(Executor):
                     req_ids.append(req_id)
                     sampled.append(tokens)
             busy = cost.ranks[d].busy_seconds if cost.ranks else None
-            outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy))
+            outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy,
+                                             kv_connector_output=connector[d]))
         return outputs
+
+    def _transfers(self, scheduler_outputs: list[SchedulerOutput], batches: list) -> list:
+        """The connector workers' part of the step: start its orders, and report per DP rank what
+        ended by the step's end (a step with nothing to compute lasts until the next transfer
+        event, as the engine's empty steps poll while KV is on its way)."""
+        if self.transfer is None:
+            return [None] * self._dp
+        now = self.transfer.clock()
+        for d, so in enumerate(scheduler_outputs):
+            self.transfer.start(d, so.kv_connector_metadata)
+        if not any(w.new_tokens for batch in batches for _, w, _ in batch):
+            self.last_step_seconds = self.transfer.next_event(now)
+        return [self.transfer.finished(d, now + self.last_step_seconds) for d in range(self._dp)]
 
     def _batch(self, reqs: dict[str, _ReqState], so: SchedulerOutput) -> list[tuple[str, SeqWork, int]]:
         """(request, its priced work, tokens scheduled) for each scheduled request."""
@@ -112,7 +128,7 @@ class SimExecutor(Executor):
         for new in so.scheduled_new_reqs:
             state = reqs[new.req_id] = _ReqState(len(new.prompt_token_ids) + len(new.output_token_ids),
                                                  new.num_computed_tokens)
-            if self.kv_pool is not None and not self.kv_arrives:
+            if self.kv_pool is not None:
                 state.prompt_hashes = self.kv_pool.hashes(new.prompt_token_ids)
                 found = self.kv_pool.prefix_tokens(state.prompt_hashes, len(new.prompt_token_ids) - 1)
                 state.loaded_until = found if found > state.num_computed else 0
@@ -122,9 +138,7 @@ class SimExecutor(Executor):
         for req_id, n in so.num_scheduled_tokens.items():
             state = reqs[req_id]
             work = SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens)
-            if self.kv_arrives and n > 1 + self.num_speculative_tokens:
-                work = SeqWork(1, state.num_computed + n - 1, work.samples)   # the prompt's KV was loaded
-            elif state.loaded_until > state.num_computed:
+            if state.loaded_until > state.num_computed:
                 load = min(state.num_computed + n, state.loaded_until) - state.num_computed
                 work = SeqWork(n - load, state.num_computed + load, work.samples)
             batch.append((req_id, work, n))

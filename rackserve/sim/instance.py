@@ -12,16 +12,23 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
-from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig)
+from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
+                              ParallelConfig, SchedulerConfig)
 from rackserve.engine.core import EngineCore
 from rackserve.sim.cost import CostModel, ParallelShape
-from rackserve.sim.executor import SimExecutor
+from rackserve.sim.executor import SimExecutor, kv_blocks_for
 from rackserve.sim.hardware import GIB, Hardware
 from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import ModelSpec, load_model_spec
+from rackserve.sim.transfer import SimFabric, SimTransfer
 from rackserve.sim.virtual_loop import run_virtual
+
+
+# P/D: prefill instance i's DP rank d "serves" its side channel on 10000 + i x world size + d x TP
+# (decode instances from 40000: they hold nothing, but their address must not be a producer's).
+SIDE_CHANNEL_PORTS = {"kv_producer": 10000, "kv_consumer": 40000}
 
 
 @dataclass
@@ -35,10 +42,13 @@ class SimSetup:
     num_speculative_tokens: int = 0
     acceptance_rate: float = 0.0
     prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
-    kv_arrives: bool = False             # a decode pool: prompts' KV comes from the prefill pool
+    pd_role: str | None = None           # P/D: kv_producer (the prefill pool) or kv_consumer (the decode pool)
     dp_placement: str = "router"         # the router's pick, the engine's least_load, or least_uncached
     kv_pool_gib: float = 0.0             # a KV pool shared by all instances (0: none)
     kv_pool_bandwidth: float = 0.0       # bytes/s an instance loads from it
+    # Builds each instance's executor (setup, seed, pool) in place of the priced one: a step trace
+    # (bench/step_trace.py) runs the real model with the virtual clock driven by its step times.
+    executor_factory: "Callable[[SimSetup, int, KVPool | None], SimExecutor] | None" = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware, as_measured: dict | None = None) -> "SimSetup":
@@ -86,7 +96,7 @@ class SimSetup:
 
     def disaggregated(self, args: argparse.Namespace) -> "SimSetup":
         """`--prefill P --decode D`: P prefill instances (their own DP/TP shape and token budget)
-        and D decode instances of this shape, whose budget admits a whole prompt whose KV arrives."""
+        and D decode instances of this shape, each with the engine's MooncakeConnector of its role."""
         if args.prefill < 1 or args.decode < 1:
             raise ValueError("P/D needs --prefill P and --decode D, both >= 1")
         tp = args.prefill_tensor_parallel_size or self.shape.tensor_parallel_size
@@ -99,22 +109,27 @@ class SimSetup:
                                        scheduler=SchedulerConfig(self.config.scheduler.max_num_seqs, budget),
                                        parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp)),
-            num_speculative_tokens=0)
+            num_speculative_tokens=0, pd_role="kv_producer")
         prefill.check_memory()
-        seqs = self.config.scheduler.max_num_seqs
-        decode_budget = self.max_model_len + seqs * (1 + self.num_speculative_tokens)
-        return dataclasses.replace(
-            self, instances=args.decode, prefill=prefill, kv_arrives=True,
-            config=dataclasses.replace(self.config, scheduler=SchedulerConfig(seqs, decode_budget)))
+        return dataclasses.replace(self, instances=args.decode, prefill=prefill, pd_role="kv_consumer")
 
-    def transfer_seconds(self, tokens: int) -> float:
-        """Moving `tokens` tokens of KV from a prefill to a decode instance over one device's link
-        (scale-up inside one NVLink domain, scale-out across domains)."""
+    def instance_config(self, index: int) -> EngineConfig:
+        """Instance `index`'s config: under P/D with the MooncakeConnector of its role, its own
+        engine id and side channel ports (the address a decoder's pull names; nothing listens)."""
+        if self.pd_role is None:
+            return self.config
+        port = SIDE_CHANNEL_PORTS[self.pd_role] + index * self.shape.world_size
+        return dataclasses.replace(self.config, kv_transfer=KVTransferConfig(
+            "MooncakeConnector", self.pd_role, {"side_channel_port": port}, engine_id=f"{self.pd_role}-{index}"))
+
+    @property
+    def transfer_bandwidth(self) -> float:
+        """Bytes/s of KV from a prefill to a decode instance over one device's link (scale-up
+        inside one NVLink domain, scale-out across domains)."""
         from rackserve.sim.efficiency import efficiency
-        inside = self.devices + (self.prefill.devices if self.prefill else 0) <= self.hardware.domain_size
+        inside = self.all_devices <= self.hardware.domain_size
         bw = self.hardware.scale_up_bw if inside else self.hardware.scale_out_bw
-        kv = self.spec.kv_bytes(max(tokens, 1)) * tokens / max(tokens, 1)
-        return kv / (bw * efficiency("link_bw", self.hardware.efficiency)) + self.hardware.link_latency
+        return bw * efficiency("link_bw", self.hardware.efficiency)
 
     @property
     def devices(self) -> int:
@@ -129,14 +144,28 @@ class SimSetup:
     def max_model_len(self) -> int:
         return self.spec.max_model_len
 
-    def engine(self, seed: int, kv_pool: KVPool | None = None) -> EngineCore:
+    def engine(self, seed: int, kv_pool: KVPool | None = None, index: int = 0,
+               fabric: SimFabric | None = None, clock: Callable[[], float] | None = None) -> EngineCore:
+        """Instance `index` (under P/D its connector's transfers go over `fabric`, on `clock`)."""
         from rackserve.engine.data_parallel import least_load
         from rackserve.sim.routing import DP_PLACEMENTS
-        return EngineCore(self.config, self.executor(seed, kv_pool), DP_PLACEMENTS.get(self.dp_placement, least_load))
+        config = self.instance_config(index)
+        transfer = None
+        if config.kv_transfer is not None:
+            from rackserve.kv_transfer.mooncake_connector import side_channel_address
+            addresses = [side_channel_address(config, d) for d in range(self.shape.data_parallel_size)]
+            transfer = SimTransfer(fabric, self.spec.kv_bytes, self.transfer_bandwidth, self.hardware.link_latency,
+                                   self.config.cache.block_size, addresses, clock)
+        # An empty step waiting on transfers must not sleep the wall clock: the executor's step
+        # lasts until the next transfer event in virtual time.
+        return EngineCore(config, self.executor(seed, kv_pool, transfer), DP_PLACEMENTS.get(self.dp_placement, least_load),
+                          sleep=lambda seconds: None)
 
-    def executor(self, seed: int, kv_pool: KVPool | None = None) -> SimExecutor:
+    def executor(self, seed: int, kv_pool: KVPool | None = None, transfer: SimTransfer | None = None) -> SimExecutor:
+        if self.executor_factory is not None:
+            return self.executor_factory(self, seed, kv_pool)
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
-                           self.num_speculative_tokens, self.acceptance_rate, self.kv_arrives, kv_pool)
+                           self.num_speculative_tokens, self.acceptance_rate, kv_pool, transfer)
 
     def kv_pool(self) -> KVPool | None:
         """A fresh pool for one run, sized in tokens of this model's KV; None without one."""
@@ -164,7 +193,7 @@ class SimSetup:
                 "prefill": self.prefill.describe() if self.prefill else None, "devices": self.all_devices,
                 "instances": self.instances, "router_policy": self.router_policy, "dp_placement": self.dp_placement,
                 "model_spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "attention"},
-                "kv_blocks_per_dp_rank": self.executor(0).num_kv_blocks,
+                "kv_blocks_per_dp_rank": kv_blocks_for(self.spec, self.config),
                 "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate,
                 "kv_pool_gib": self.kv_pool_gib, "kv_pool_bandwidth": self.kv_pool_bandwidth}
 
@@ -188,17 +217,18 @@ class SimSetup:
             block_size = self.config.cache.block_size
             pin = self.dp_placement == "router"
             router = make_router(self.router_policy, block_size, seed, pin)
-            instances = [SimInstance(i, self.engine(seed + i, pool if computes else None), clock, router.observe)
-                         for i in range(self.instances)]
+            fabric = fabrics[0]
+            instances = [SimInstance(i, self.engine(seed + i, pool if computes else None, i, fabric, clock), clock,
+                                     router.observe) for i in range(self.instances)]
             prefill_router = make_router(self.router_policy, block_size, seed + 1000, pin)
             prefill = [] if self.prefill is None else [
-                SimInstance(i, self.prefill.engine(seed + 1000 + i, pool), clock, prefill_router.observe)
-                for i in range(self.prefill.instances)]
+                SimInstance(i, self.prefill.engine(seed + 1000 + i, pool, i, fabric, clock), clock,
+                            prefill_router.observe) for i in range(self.prefill.instances)]
             pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
-            client = SimClient(instances, router, clock)
+            client = SimClient(instances, router, clock, self.spec.vocab_size)
             if prefill:
-                client.disaggregate(prefill, prefill_router, self.transfer_seconds)
+                client.disaggregate(prefill, prefill_router)
             config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")
             try:
                 records = await Replay(workload, renderer, client, config).run()
@@ -209,6 +239,7 @@ class SimSetup:
             return records, instances + prefill, prefill or instances, clock()
 
         pools: list[KVPool | None] = []
+        fabrics = [SimFabric()]
         wall = time.perf_counter()
         records, instances, computing, virtual = run_virtual(play())
         wall = time.perf_counter() - wall
@@ -224,4 +255,5 @@ class SimSetup:
                         "steps": len(steps), "mean_step_seconds": sum(steps) / len(steps) if steps else 0.0,
                         "preemptions": sum(i.stats.preemptions for i in instances),
                         "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0,
-                        "kv_pool_hit_tokens": pools[0].hit_tokens if pools and pools[0] else None}}
+                        "kv_pool_hit_tokens": pools[0].hit_tokens if pools and pools[0] else None,
+                        "kv_transfer": fabrics[0].record.to_json() if self.prefill else None}}

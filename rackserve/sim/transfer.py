@@ -1,0 +1,96 @@
+"""The worker half of the KV connector on virtual time, for prefill/decode disaggregation: the
+engine's own MooncakeConnector scheduler halves (kv_transfer/mooncake_connector.py, torch-free)
+decide which blocks a decode instance pulls from which prefill instance, exactly as in a served
+P/D pair; this file carries their orders out on the simulated link.
+
+A decoder's LoadOrder (its blocks beyond its own prefix hit, up to the prompt's last token) moves
+len(local_block_ids) x block_size tokens of KV; each DP rank's link (one device's: TP ranks move
+their shards in parallel) serves its loads one after another at the link's bandwidth, so
+concurrent pulls share it. A load is reported in `finished_recving` after the step during which it
+ends; the producer (found by the side channel address the order names, as the real worker finds
+it) reports `finished_sending` after its first step once the read ended, and frees its held blocks.
+
+It owns the transfers in flight and their record; it must never schedule, price compute, sleep
+nor read any clock but the virtual one it is handed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rackserve.kv_transfer.base import KVConnectorOutput
+
+POLL_SECONDS = 0.005     # an idle step waiting on a peer whose read has not started yet
+
+
+@dataclass
+class TransferRecord:
+    loads: int = 0
+    blocks: int = 0
+    bytes: float = 0.0
+    seconds: float = 0.0           # link time, queueing excluded
+
+    def to_json(self) -> dict:
+        return {"loads": self.loads, "blocks": self.blocks, "bytes": self.bytes, "seconds": self.seconds}
+
+
+@dataclass
+class SimFabric:
+    """What the instances' transfer halves share: per producer address, the requests whose blocks
+    a decoder has read (and when the read ends), and the run's record."""
+    reads: dict[tuple[str, int], list[tuple[float, str]]] = field(default_factory=dict)
+    record: TransferRecord = field(default_factory=TransferRecord)
+
+
+class SimTransfer:
+    """One instance's connector workers (one link a DP rank). `kv_bytes(tokens)`: the KV of that
+    many tokens (the model's, all layers); a load of it takes kv_bytes / `bandwidth` + `latency`.
+    `addresses[d]` is DP rank d's side channel address, where decoders tell it they are done."""
+
+    def __init__(self, fabric: SimFabric, kv_bytes: Callable[[int], float], bandwidth: float, latency: float,
+                 block_size: int, addresses: list[tuple[str, int]], clock: Callable[[], float]):
+        self.fabric, self.kv_bytes, self.bandwidth, self.latency = fabric, kv_bytes, bandwidth, latency
+        self.block_size, self.addresses, self.clock = block_size, addresses, clock
+        self.link_free = [0.0] * len(addresses)
+        self.loading: list[list[tuple[float, str]]] = [[] for _ in addresses]   # (end, request) per DP rank
+
+    def start(self, dp_rank: int, metadata) -> None:
+        """This step's orders for DP rank `dp_rank` (MooncakeConnectorMetadata; holds need nothing)."""
+        if metadata is None:
+            return
+        now = self.clock()
+        for order in metadata.loads:
+            tokens = len(order.local_block_ids) * self.block_size
+            nbytes = self.kv_bytes(tokens) if tokens else 0.0
+            begin = max(now, self.link_free[dp_rank])
+            end = begin + (nbytes / self.bandwidth + self.latency if tokens else 0.0)
+            self.link_free[dp_rank] = end
+            self.loading[dp_rank].append((end, order.req_id))
+            self.fabric.reads.setdefault((order.remote_host, order.remote_port), []).append(
+                (end, order.remote_request_id))
+            if tokens:
+                r = self.fabric.record
+                r.loads, r.blocks = r.loads + 1, r.blocks + len(order.local_block_ids)
+                r.bytes += nbytes
+                r.seconds += end - begin
+
+    def finished(self, dp_rank: int, step_end: float) -> KVConnectorOutput:
+        """Transfers that ended by the end of this step, as the worker half reports them."""
+        out = KVConnectorOutput()
+        keep = []
+        for end, req_id in self.loading[dp_rank]:
+            (out.finished_recving.add(req_id) if end <= step_end else keep.append((end, req_id)))
+        self.loading[dp_rank] = keep
+        reads = self.fabric.reads.get(self.addresses[dp_rank], [])
+        done = [(end, req_id) for end, req_id in reads if end <= step_end]
+        if done:
+            out.finished_sending.update(req_id for _, req_id in done)
+            self.fabric.reads[self.addresses[dp_rank]] = [x for x in reads if x[1] not in out.finished_sending]
+        return out
+
+    def next_event(self, now: float) -> float:
+        """Seconds an idle step lasts: to the next load or read ending here, else a poll."""
+        ends = [end for rank in self.loading for end, _ in rank]
+        ends += [end for address in self.addresses for end, _ in self.fabric.reads.get(address, [])]
+        ahead = [end - now for end in ends if end > now]
+        return min(ahead) if ahead else POLL_SECONDS
