@@ -139,8 +139,8 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     calibration = json.loads(saved[0].read_text())
     assert calibration["key"] == cpu_device.serve_key(tiny_llama_dir)
     assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == "fp32"
-    assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {(1, 1), (4, 1), (16, 1),
-                                                                                    (1, 256), (4, 256)}
+    assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {
+        (1, 1), (4, 1), (16, 1), (1, 256), (4, 256), (1, 64), (2, 64)}
     assert all(m["measured_s"] > 0 and m["simulated_s"] > 0 for m in calibration["measured"])
     assert results[0]["runs"][0]["summary"]["throughput_per_device"] == results[1]["runs"][0]["summary"][
         "throughput_per_device"]

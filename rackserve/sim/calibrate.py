@@ -20,7 +20,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from rackserve.sim.cost import CostModel, SeqWork
+from rackserve.sim.cost import PACKED_GEMM, CostModel, SeqWork
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
 
@@ -30,6 +30,8 @@ RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands")
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # model/quant/int4_linear.py's DENSE_ABOVE_ROWS (not imported: that module needs torch).
 DEQUANTIZE_ABOVE_ROWS = 128
+FIRST_STEPS = 3
+TRACE_POINTS = 120          # steps of a trace in a fit: enough to cover its mix, few enough to fit in seconds
 
 
 def load_calibration(path: str = CPU_CALIBRATION) -> tuple[Hardware, dict]:
@@ -69,6 +71,18 @@ def _as_measured(spec: ModelSpec, result: dict) -> dict:
             "dequantize_above_tokens": DEQUANTIZE_ABOVE_ROWS if packed else None}
 
 
+def trace_points(trace: dict, most: int = TRACE_POINTS) -> list[tuple[list[SeqWork], float]]:
+    """(batch, measured seconds) of a step trace's steps (bench/step_trace.py: the steps a served
+    workload's scheduler formed, mixed prefill chunks and decodes), at most `most` of them spread
+    evenly over the steps' token counts (one DP rank)."""
+    # A fresh executor's first steps carry one-time costs (allocations, kernel selection): skipped.
+    steps = sorted((s for run in trace["runs"] for s in run["steps"][FIRST_STEPS:]
+                    if len(s["batches"]) == 1 and s["batches"][0]), key=lambda s: sum(w[0] for w in s["batches"][0]))
+    if len(steps) > most:
+        steps = [steps[round(i * (len(steps) - 1) / (most - 1))] for i in range(most)]
+    return [([SeqWork(*w) for w in s["batches"][0]], s["measured_s"]) for s in steps]
+
+
 def forward_points(result: dict, side: str = "A") -> list[tuple[list[SeqWork], float]]:
     """(batch, measured median seconds) of each point of a `bench forward` JSON (one side)."""
     out = []
@@ -101,11 +115,13 @@ def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], 
 
 def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: float, bw: float,
         source: str = "") -> Hardware:
-    """The cpu device whose cost model best matches the measured points."""
-    params = {**{k: 0.5 for k in FITTED}, "step_overhead": 0.005, "seq_overhead": 0.001}
+    """The cpu device whose cost model best matches the measured points (and, for packed weights,
+    the packed kernel's own rate, from the points of 2 to DEQUANTIZE_ABOVE_ROWS rows)."""
+    classes = FITTED + ((PACKED_GEMM,) if spec.dequantize_above_tokens is not None else ())
+    params = {**{k: 0.5 for k in classes}, "step_overhead": 0.005, "seq_overhead": 0.001}
 
     def device(p: dict[str, float]) -> Hardware:
-        return _cpu(flops, bw, {k: p[k] for k in FITTED}, (p["step_overhead"], p["seq_overhead"]), source)
+        return _cpu(flops, bw, {k: p[k] for k in classes}, (p["step_overhead"], p["seq_overhead"]), source)
 
     best = _error(spec, device(params), points)
     step = 2.0
@@ -115,7 +131,7 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
             for factor in (step, 1 / step):
                 trial_params = dict(params)
                 trial_params[key] *= factor
-                if key in FITTED:
+                if key in classes:
                     trial_params[key] = min(1.0, trial_params[key])
                 trial = _error(spec, device(trial_params), points)
                 if trial < best - 1e-12:
@@ -125,19 +141,21 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
     return device(params)
 
 
-def fit_forward_results(results: Sequence[dict], model: str, source: str) -> tuple[Hardware, dict, list[dict]]:
-    """The cpu device fitted to bench forward results (one model, dtype and quantization), what the
-    model ran as, and each point's measured and modelled step time."""
+def fit_forward_results(results: Sequence[dict], model: str, source: str,
+                        traces: Sequence[dict] = ()) -> tuple[Hardware, dict, list[dict]]:
+    """The cpu device fitted to bench forward results (one model, dtype and quantization) and the
+    steps of step traces, what the model ran as, and each point's measured and modelled step time."""
     base = load_model_spec(model)
     as_measured = _as_measured(base, results[0])
     spec = calibrated_spec(base, as_measured)
-    points = [pt for r in results for pt in forward_points(r)]
+    points = [pt for r in results for pt in forward_points(r)] + [pt for t in traces for pt in trace_points(t)]
     flops = statistics.median(r["limits"]["A"]["matmul_gflops"] for r in results) * 1e9
     bw = statistics.median(r["limits"]["A"]["mem_read_gbps"] for r in results) * 1e9
     hw = fit(spec, points, flops, bw, source)
     model_ = CostModel(spec, hw)
-    measured = [{"batch_size": len(b), "new_tokens": b[0].new_tokens, "context_len": b[0].context,
-                 "measured_s": t, "simulated_s": model_.step([b]).seconds} for b, t in points]
+    measured = [{"batch_size": len(b), "new_tokens": sum(w.new_tokens for w in b) // len(b),
+                 "context_len": max(w.context for w in b), "measured_s": t, "simulated_s": model_.step([b]).seconds}
+                for b, t in points]
     return hw, as_measured, measured
 
 
@@ -160,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check", action="append", default=[], metavar="FILE[:SIDE][:KV_DTYPE]",
                         help="held out: print the fitted model's error on this bench forward result "
                         "(side A by default; KV_DTYPE e.g. bf16 when that side ran a 16-bit KV cache)")
+    parser.add_argument("--steps", action="append", default=[], metavar="TRACE.json",
+                        help="also fit to the steps of this step trace (python -m rackserve.bench.step_trace): "
+                        "the mixed steps a served workload's scheduler forms")
     parser.add_argument("--serve", default=None, metavar="BENCH_SERVE.json",
                         help="also measure the serving path's cost from this bench serve run (serve_path.py)")
     parser.add_argument("--key", action="store_true",
@@ -167,8 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "rackserve sim --hardware cpu finds it")
     args = parser.parse_args(argv)
     results = [json.load(open(path)) for path in args.results]
+    traces = [json.load(open(path)) for path in args.steps]
     hw, as_measured, measured = fit_forward_results(
-        results, args.model, "fitted to " + ", ".join(os.path.basename(p) for p in args.results))
+        results, args.model, "fitted to " + ", ".join(os.path.basename(p) for p in args.results + args.steps), traces)
     spec = calibrated_spec(load_model_spec(args.model), as_measured)
     for m in measured:
         print(f"batch {m['batch_size']:3d} x {m['new_tokens']:4d} new after {m['context_len']:5d}: measured "

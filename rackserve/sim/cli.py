@@ -134,8 +134,9 @@ def _stats_sessions(workload) -> int:
     return 500 if (workload.scale or 0.0) < 0.05 else 50
 
 
-def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
-    """Every level; the JSON-ready result, laid out as `bench serve`'s."""
+def simulate(args: argparse.Namespace, levels: list[int], executor_factory=None) -> dict:
+    """Every level; the JSON-ready result, laid out as `bench serve`'s. `executor_factory`: builds
+    the instances' executors instead (SimSetup.executor_factory; a step trace's timed real one)."""
     from rackserve.bench.token_text import PromptRenderer, default_vocabulary
     from rackserve.bench.workload import WorkloadOptions, make_workload
     from rackserve.sim.cpu_device import load_device
@@ -144,7 +145,7 @@ def simulate(args: argparse.Namespace, levels: list[int]) -> dict:
     load_model_spec(args.model)   # an unknown model fails before any calibration
     hardware, as_measured, calibration = load_device(args.hardware, args.model, args.quantization,
                                                      args.calibration_dir)
-    setup = SimSetup.from_args(args, hardware, as_measured)
+    setup = dataclasses.replace(SimSetup.from_args(args, hardware, as_measured), executor_factory=executor_factory)
     workload = make_workload(args.workload, WorkloadOptions(
         seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=setup.max_model_len,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len))

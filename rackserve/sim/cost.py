@@ -28,6 +28,7 @@ from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec
 
 ACT_BYTES = 2.0                 # bf16 activations on the wire (combine); dispatch is sent in fp8
 DISPATCH_BYTES = 1.0
+PACKED_GEMM = "packed_gemm_flops"   # a calibrated device's rate for packed (GGUF int4) linears, when it has one
 
 
 class SeqWork(NamedTuple):
@@ -102,10 +103,15 @@ class CostModel:
         params = s.dense_params_per_token + (s.lm_head_params if sampled else 0)
         flops = 2 * s.dense_params_per_token * tokens + 2 * s.lm_head_params * sampled
         nbytes = params * wbytes
+        flops_class = "gemm_flops"
         if s.dequantize_above_tokens is not None and tokens > s.dequantize_above_tokens:
             # Each packed linear is unpacked into a dense copy (written), which the GEMM then reads.
             nbytes += 2 * s.dense_params_per_token * PRECISION_BYTES[s.weight_precision]
-        return self._time(OpCost(flops / tp, nbytes / tp), "gemm_flops", s.weight_precision)
+        elif s.dequantize_above_tokens is not None and PACKED_GEMM in self.hw.efficiency:
+            # Up to the threshold the packed weight-only kernel multiplies: its own rate per FLOP,
+            # several times below a dense GEMM's on a CPU (model/quant/int4_linear.py).
+            flops_class = PACKED_GEMM
+        return self._time(OpCost(flops / tp, nbytes / tp), flops_class, s.weight_precision)
 
     def _attention(self, batch: list[SeqWork]) -> OpCost:
         s, tp = self.spec, self.shape.tensor_parallel_size

@@ -6,9 +6,9 @@ CPUs), the model, the dtype and the quantization (resolved as `rackserve serve` 
 auto dtype by the CPU's flags, a GGUF's weights kept packed). `rackserve sim --hardware cpu` looks
 in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
 sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
-context 256-2048, prefill of 256 tokens at batch 1 and 4; a second each, in a child process so the
-simulator itself never imports torch), fits the device (calibrate.py) and saves it there for the
-next run. This file owns the key and the lookup; it must never time a step itself.
+context 256-2048, prefill of 256 tokens at batch 1 and 4 and of 64 at batch 1 and 2; a second
+each, in a child process so the simulator itself never imports torch), fits the device
+(calibrate.py) and saves it there for the next run. This file owns the key and the lookup; it must never time a step itself.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "rackserve", "sim")
 DECODE_BATCHES, DECODE_CONTEXTS = "1,4,16", (256, 2048)
 PREFILL_BATCHES, PREFILL_TOKENS = "1,4", 256
+# Mid-size steps (64 and 128 rows): where a packed model's weight-only kernel multiplies, at its own
+# rate (calibrate.py fits it), and where a served workload's uncached prompt tails fall.
+MID_BATCHES, MID_TOKENS = "1,2", 64
 FORWARD_SECONDS = 1.0       # timed per point: medians of 5-40 steps
 
 
@@ -72,9 +75,9 @@ def find(key: dict[str, str], directories: list[str]) -> str | None:
 def _bench_forward(key: dict[str, str], out: str, mode: str, max_model_len: int) -> None:
     contexts = [c for c in DECODE_CONTEXTS if c < max_model_len] or [max_model_len // 2]
     args = ["--mode", "decode", "--batch-sizes", DECODE_BATCHES, "--context-lens", ",".join(map(str, contexts))]
-    if mode == "prefill":
-        args = ["--mode", "prefill", "--batch-sizes", PREFILL_BATCHES, "--context-lens", "0",
-                "--new-tokens", str(PREFILL_TOKENS)]
+    if mode in ("prefill", "mid"):
+        batches, tokens = (PREFILL_BATCHES, PREFILL_TOKENS) if mode == "prefill" else (MID_BATCHES, MID_TOKENS)
+        args = ["--mode", "prefill", "--batch-sizes", batches, "--context-lens", "0", "--new-tokens", str(tokens)]
     cmd = [sys.executable, "-m", "rackserve.serve.cli", "bench", "forward", "--model", key["model"], "--device", "cpu",
            "--dtype", key["dtype"], "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS),
            "--warmup-steps", "2", *args, "--output", out]
@@ -91,8 +94,9 @@ def calibrate_now(key: dict[str, str], directory: str) -> str:
     print(f"rackserve sim: no cpu calibration for {key}; measuring one with bench forward (about a minute)",
           file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, f"forward-{mode}.json") for mode in ("decode", "prefill")]
-        for mode, path in zip(("decode", "prefill"), paths):
+        modes = ("decode", "prefill", "mid")
+        paths = [os.path.join(tmp, f"forward-{mode}.json") for mode in modes]
+        for mode, path in zip(modes, paths):
             _bench_forward(key, path, mode, max_model_len)
         results = []
         for path in paths:
