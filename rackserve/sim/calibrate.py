@@ -213,9 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.serve) as f:
             serve = measure_serve_path(json.load(f), spec, hw)
         serve["file"] = os.path.basename(args.serve)
-        hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=serve["seq_seconds"])
-        print(f"serving path: {serve['step_seconds'] * 1e3:.2f} ms a step + {serve['seq_seconds'] * 1e3:.2f} ms a "
-              "streamed sequence")
+        hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=serve["seq_seconds"],
+                                 serve_slowdown=serve["slowdown"])
+        print(f"serving path: the model's steps x {serve['slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a "
+              f"step + {serve['seq_seconds'] * 1e3:.2f} ms a streamed sequence")
     key = None
     if args.key:
         from rackserve.sim.cpu_device import serve_key

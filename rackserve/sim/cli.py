@@ -65,6 +65,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--prefill-only", action="store_true", help="every request asks for one output token (prefill-only runs)")
     a("--random-input-len", type=int, default=1024, help="random: prompt tokens")
     a("--random-output-len", type=int, default=128, help="random: output tokens")
+    a("--tokenizer", default=None, help="whose chat template wraps each prompt's words (its role markers, default "
+      "system prompt and generation prompt, measured once): a .gguf, HF directory or alias; default: the model's "
+      "own where it has one (a served model), none for config-only aliases; 'none': words only")
     a("--label", default=None, help="name of this run in plots")
     a("--output", default=None, help="write the runs as `bench serve` does")
     a("--summary-only", action="store_true", help="--output without every request's record (small files)")

@@ -21,6 +21,7 @@ from rackserve.bench.metrics import CONTEXT_OVERFLOW, RequestRecord
 from rackserve.core.request import Request
 from rackserve.engine.core import EngineCore
 from rackserve.sampling_params import SamplingParams
+from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.executor import SimExecutor
 from rackserve.sim.routing import SimRouter
 
@@ -129,25 +130,28 @@ class SimInstance:
 
 
 class Tokens:
-    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token.
-    Ids wrap at the vocabulary's size, so a real model can take them too (a step trace)."""
+    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token,
+    inside the chat template's own tokens (chat_template.py). Ids wrap at the vocabulary's size,
+    so a real model can take them too (a step trace)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, template: TemplateTokens = TemplateTokens()) -> None:
         self.ids: dict[str, int] = {}
-        self.vocab_size = vocab_size
+        self.vocab_size, self.template = vocab_size, template
+
+    def _id(self, word: str) -> int:
+        return self.ids.setdefault(word, len(self.ids) % self.vocab_size)
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        ids, vocab = self.ids, self.vocab_size
-        return [ids.setdefault(word, len(ids) % vocab) for m in messages for word in m["content"].split()]
+        return self.template.wrap(messages, self._id, lambda text: [self._id(w) for w in text.split()])
 
 
 class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
     def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float],
-                 vocab_size: int):
+                 vocab_size: int, template: TemplateTokens = TemplateTokens()):
         self.instances, self.router, self.clock = instances, router, clock
-        self.tokens = Tokens(vocab_size)
+        self.tokens = Tokens(vocab_size, template)
         self._ids = itertools.count()
         self.prefill: list[SimInstance] = []
 

@@ -206,4 +206,5 @@ class CostModel:
         streamed = max(sum(1 for w in b if w.samples) for b in batches)
         fixed = self.hw.step_overhead + s.num_layers * self.hw.layer_overhead
         serving = self.hw.serve_step_overhead + streamed * self.hw.serve_seq_overhead
-        return StepCost(seconds + fixed + sequences * self.hw.seq_overhead + serving, ranks)
+        model = (seconds + fixed + sequences * self.hw.seq_overhead) * self.hw.serve_slowdown
+        return StepCost(model + serving, ranks)

@@ -32,6 +32,9 @@ class Hardware:
     # `bench serve` run (sim/serve_path.py); 0 on GPUs, whose host CPUs run it beside the kernels.
     serve_step_overhead: float = 0.0   # seconds per step
     serve_seq_overhead: float = 0.0    # seconds per sequence that streams a token that step
+    # A served step's model time over bench forward's for the same batch: the serving path's threads
+    # and the client take cores from the model's threads while it runs (1 on GPUs).
+    serve_slowdown: float = 1.0
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True

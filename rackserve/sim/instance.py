@@ -17,6 +17,7 @@ from typing import Callable
 from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
                               ParallelConfig, SchedulerConfig)
 from rackserve.engine.core import EngineCore
+from rackserve.sim.chat_template import TemplateTokens, template_for
 from rackserve.sim.cost import CostModel, ParallelShape
 from rackserve.sim.executor import SimExecutor, kv_blocks_for
 from rackserve.sim.hardware import GIB, Hardware
@@ -49,6 +50,7 @@ class SimSetup:
     # Builds each instance's executor (setup, seed, pool) in place of the priced one: a step trace
     # (bench/step_trace.py) runs the real model with the virtual clock driven by its step times.
     executor_factory: "Callable[[SimSetup, int, KVPool | None], SimExecutor] | None" = None
+    template: TemplateTokens = TemplateTokens()     # the chat template's tokens around each prompt's words
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware, as_measured: dict | None = None) -> "SimSetup":
@@ -84,6 +86,7 @@ class SimSetup:
             raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose one of {DP_PLACEMENT_NAMES}")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
                     args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement,
+                    template=template_for(args.model if args.tokenizer is None else args.tokenizer),
                     kv_pool_gib=args.kv_pool_memory,
                     kv_pool_bandwidth=(args.kv_pool_bandwidth * 1e9 if args.kv_pool_bandwidth
                                        else hardware.scale_out_bw))
@@ -195,7 +198,8 @@ class SimSetup:
                 "model_spec": {k: v for k, v in dataclasses.asdict(self.spec).items() if k != "attention"},
                 "kv_blocks_per_dp_rank": kv_blocks_for(self.spec, self.config),
                 "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate,
-                "kv_pool_gib": self.kv_pool_gib, "kv_pool_bandwidth": self.kv_pool_bandwidth}
+                "kv_pool_gib": self.kv_pool_gib, "kv_pool_bandwidth": self.kv_pool_bandwidth,
+                "chat_template_tokens": dataclasses.asdict(self.template)}
 
     def run_level(self, workload, renderer, concurrency: int, duration: float, think_time_cap: float,
                   seed: int) -> dict:
@@ -226,7 +230,7 @@ class SimSetup:
                             prefill_router.observe) for i in range(self.prefill.instances)]
             pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
-            client = SimClient(instances, router, clock, self.spec.vocab_size)
+            client = SimClient(instances, router, clock, self.spec.vocab_size, self.template)
             if prefill:
                 client.disaggregate(prefill, prefill_router)
             config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")

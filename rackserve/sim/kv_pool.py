@@ -2,8 +2,8 @@
 an LRU set of block hashes (core/hashing.py's, so a hit means what it means in the prefix cache)
 of a given capacity, and the bandwidth its blocks load at.
 
-The simulator does not drive the engine's KV connector path (kv_transfer/) yet, so the pool acts on
-pricing only: a prompt's tokens beyond its
+The pool does not drive the engine's store connector (kv_transfer/) yet, as P/D drives its
+MooncakeConnector (sim/transfer.py), so it acts on pricing only: a prompt's tokens beyond its
 instance's own prefix hit that the pool holds are still scheduled (they take token budget) but are
 priced as a load at pool bandwidth instead of a prefill. Every block a step computes is offered to
 the pool. This file owns the pool's index; it must never schedule.

@@ -11,7 +11,11 @@ median, not the ITL: a request's mean ITL also carries the steps other requests'
 lengthen, which the simulation schedules itself). Its excess over the cost model's step for that
 batch (c sequences after the prompt and half the output) is the serving path's, fitted as a + b x c
 by least squares over the levels (both kept >= 0): `serve_step_overhead` and `serve_seq_overhead`
-of the `cpu` device. This file owns that measurement; it never runs anything.
+of the `cpu` device. The first level's TTFT (one request at a time: its prompt's chunks, nothing
+streaming) gives `serve_slowdown`: a served step's model time over the cost model's (the server's
+threads take cores from the model's while it computes; a step trace, in-process, measures the
+model alone). The two are fitted together: gap = slowdown x step + a + b x c, and TTFT = slowdown x
+(the prompt's chunks) + a a chunk. This file owns that measurement; it never runs anything.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import statistics
 from rackserve.sim.cost import CostModel, SeqWork
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import ModelSpec
+
+CHUNK = 512         # rackserve serve's --max-num-batched-tokens default: a prompt's chunk at concurrency 1
 
 
 def _level(run: dict, model: CostModel) -> dict:
@@ -35,8 +41,12 @@ def _level(run: dict, model: CostModel) -> dict:
         raise ValueError(f"concurrency {c}: no request streamed two chunks")
     gap = statistics.median(gaps)
     step = model.step([[SeqWork(1, int(prompt + output / 2), True)] * c]).seconds
+    chunks = [SeqWork(min(CHUNK, int(prompt) - start), start, start + CHUNK >= prompt)
+              for start in range(0, int(prompt), CHUNK)]
+    prefill = sum(model.step([[w]]).seconds for w in chunks)
     return {"concurrency": c, "median_chunk_gap_s": gap, "itl_p50_s": s["itl"]["p50"], "model_step_s": step,
-            "excess_s": gap - step, "context": prompt + output / 2}
+            "excess_s": gap - step, "context": prompt + output / 2, "ttft_p50_s": s["ttft"]["p50"],
+            "model_prefill_s": prefill, "prefill_steps": len(chunks)}
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
@@ -62,8 +72,16 @@ def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware) -> dict:
                          f"a known batch); got {result.get('workload')!r}")
     model = CostModel(spec, hw)
     points = [_level(run, model) for run in result["runs"]]
-    a, b = _fit(points)
+    first = min(points, key=lambda p: p["concurrency"])
+    slowdown, a, b = 1.0, 0.0, 0.0
+    for _ in range(20):     # alternate: a, b given the slowdown; the slowdown given a (converges fast)
+        for p in points:
+            p["excess_s"] = p["median_chunk_gap_s"] - slowdown * p["model_step_s"]
+        a, b = _fit(points)
+        if first["concurrency"] != 1:
+            break           # no level of one request at a time: no prefill alone to measure
+        slowdown = max(1.0, (first["ttft_p50_s"] - first["prefill_steps"] * a) / first["model_prefill_s"])
     for p in points:
         p["fitted_excess_s"] = a + b * p["concurrency"]
-    return {"step_seconds": a, "seq_seconds": b, "points": points,
+    return {"step_seconds": a, "seq_seconds": b, "slowdown": slowdown, "points": points,
             "command": result.get("command"), "load": result.get("load_average")}
