@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, KVTransferConfig, ModelConfig,
-                              ParallelConfig, SchedulerConfig)
+from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
+                              SchedulerConfig)
 from rackserve.engine.core import EngineCore
 from rackserve.sim.chat_template import TemplateTokens, template_for
 from rackserve.sim.cost import CostModel, ParallelShape
@@ -23,13 +23,8 @@ from rackserve.sim.executor import SimExecutor, kv_blocks_for
 from rackserve.sim.hardware import GIB, Hardware
 from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import ModelSpec, load_model_spec
-from rackserve.sim.transfer import SimFabric, SimTransfer
+from rackserve.sim.transfer import SimFabric, SimTransfer, pd_instance
 from rackserve.sim.virtual_loop import run_virtual
-
-
-# P/D: prefill instance i's DP rank d "serves" its side channel on 10000 + i x world size + d x TP
-# (decode instances from 40000: they hold nothing, but their address must not be a producer's).
-SIDE_CHANNEL_PORTS = {"kv_producer": 10000, "kv_consumer": 40000}
 
 
 @dataclass
@@ -116,15 +111,6 @@ class SimSetup:
         prefill.check_memory()
         return dataclasses.replace(self, instances=args.decode, prefill=prefill, pd_role="kv_consumer")
 
-    def instance_config(self, index: int) -> EngineConfig:
-        """Instance `index`'s config: under P/D with the MooncakeConnector of its role, its own
-        engine id and side channel ports (the address a decoder's pull names; nothing listens)."""
-        if self.pd_role is None:
-            return self.config
-        port = SIDE_CHANNEL_PORTS[self.pd_role] + index * self.shape.world_size
-        return dataclasses.replace(self.config, kv_transfer=KVTransferConfig(
-            "MooncakeConnector", self.pd_role, {"side_channel_port": port}, engine_id=f"{self.pd_role}-{index}"))
-
     @property
     def transfer_bandwidth(self) -> float:
         """Bytes/s of KV from a prefill to a decode instance over one device's link (scale-up
@@ -152,13 +138,11 @@ class SimSetup:
         """Instance `index` (under P/D its connector's transfers go over `fabric`, on `clock`)."""
         from rackserve.engine.data_parallel import least_load
         from rackserve.sim.routing import DP_PLACEMENTS
-        config = self.instance_config(index)
-        transfer = None
-        if config.kv_transfer is not None:
-            from rackserve.kv_transfer.mooncake_connector import side_channel_address
-            addresses = [side_channel_address(config, d) for d in range(self.shape.data_parallel_size)]
+        config, transfer = self.config, None
+        if self.pd_role is not None:
+            config, addresses = pd_instance(self.config, self.pd_role, index)
             transfer = SimTransfer(fabric, self.spec.kv_bytes, self.transfer_bandwidth, self.hardware.link_latency,
-                                   self.config.cache.block_size, addresses, clock)
+                                   config.cache.block_size, addresses, clock)
         # An empty step waiting on transfers must not sleep the wall clock: the executor's step
         # lasts until the next transfer event in virtual time.
         return EngineCore(config, self.executor(seed, kv_pool, transfer), DP_PLACEMENTS.get(self.dp_placement, least_load),

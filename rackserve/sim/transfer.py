@@ -15,12 +15,28 @@ nor read any clock but the virtual one it is handed.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rackserve.config import EngineConfig, KVTransferConfig
 from rackserve.kv_transfer.base import KVConnectorOutput
+from rackserve.kv_transfer.mooncake_connector import side_channel_address
 
 POLL_SECONDS = 0.005     # an idle step waiting on a peer whose read has not started yet
+# Prefill instance i's DP rank d "serves" its side channel on 10000 + i x world size + d x TP
+# (decode instances from 40000: they hold nothing, but their address must not be a producer's).
+SIDE_CHANNEL_PORTS = {"kv_producer": 10000, "kv_consumer": 40000}
+
+
+def pd_instance(config: EngineConfig, role: str, index: int) -> tuple[EngineConfig, list[tuple[str, int]]]:
+    """Instance `index` of a P/D pool: its config with the MooncakeConnector of its role (its own
+    engine id and side channel ports: the address a decoder's pull names; nothing listens), and
+    each DP rank's address."""
+    port = SIDE_CHANNEL_PORTS[role] + index * config.parallel.world_size
+    config = dataclasses.replace(config, kv_transfer=KVTransferConfig(
+        "MooncakeConnector", role, {"side_channel_port": port}, engine_id=f"{role}-{index}"))
+    return config, [side_channel_address(config, d) for d in range(config.parallel.data_parallel_size)]
 
 
 @dataclass
