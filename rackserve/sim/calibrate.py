@@ -116,7 +116,7 @@ def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], 
 def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: float, bw: float,
         source: str = "") -> Hardware:
     """The cpu device whose cost model best matches the measured points (and, for packed weights,
-    the packed kernel's own rate, from the points of 2 to DEQUANTIZE_ABOVE_ROWS rows)."""
+    the packed kernel's own rate, from the points of up to DEQUANTIZE_ABOVE_ROWS rows)."""
     classes = FITTED + ((PACKED_GEMM,) if spec.dequantize_above_tokens is not None else ())
     params = {**{k: 0.5 for k in classes}, "step_overhead": 0.005, "seq_overhead": 0.001}
 
