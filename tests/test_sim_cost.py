@@ -224,3 +224,20 @@ def test_packed_weights_are_dequantized_above_the_engines_row_threshold():
         batch = [SeqWork(tokens, 0)]
         assert (CostModel(packed, cpu)._dense(batch).bytes
                 == pytest.approx(CostModel(spec, cpu)._dense(batch).bytes * 0.75 / 4 + extra))
+
+
+def test_a_backend_that_pads_decodes_prices_each_at_the_longest_context():
+    """The CPU's torch attention gathers a step's decodes into one batch padded to the longest
+    context (model/torch_attention.py): a short decode beside a long one costs as much attention as
+    the long one; a lone decode and a GPU's paged kernels pay for their own context."""
+    import dataclasses
+    spec = load_model_spec("smollm2-135m-instruct")
+    paged = load_hardware("cpu")
+    padded = dataclasses.replace(paged, pads_decodes=True)
+    mixed, long = [SeqWork(1, 200), SeqWork(1, 4000)], [SeqWork(1, 4000), SeqWork(1, 4000)]
+    assert CostModel(spec, padded)._attention(mixed).bytes == CostModel(spec, padded)._attention(long).bytes
+    assert CostModel(spec, paged)._attention(mixed).bytes < CostModel(spec, paged)._attention(long).bytes
+    lone = [SeqWork(1, 200)]
+    assert CostModel(spec, padded)._attention(lone).bytes == CostModel(spec, paged)._attention(lone).bytes
+    prefill = [SeqWork(300, 0), SeqWork(1, 4000)]    # a prompt chunk is not padded to the decodes
+    assert CostModel(spec, padded)._attention(prefill).bytes == CostModel(spec, paged)._attention(prefill).bytes

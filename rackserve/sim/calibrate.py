@@ -105,7 +105,7 @@ def check(path: str, side: str, spec: ModelSpec, hw: Hardware) -> list[dict]:
 def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str) -> Hardware:
     return Hardware("cpu", {"fp32": flops, "bf16": flops}, bw, 64e9, bw, bw, 1, link_latency=50e-6,
                     step_overhead=overheads[0], seq_overhead=overheads[1], overlap=False, efficiency=dict(eff),
-                    source=source)
+                    source=source, pads_decodes=True)
 
 
 def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], float]]) -> float:

@@ -116,7 +116,11 @@ class CostModel:
     def _attention(self, batch: list[SeqWork]) -> OpCost:
         s, tp = self.spec, self.shape.tensor_parallel_size
         flops = index = read = 0.0
+        decodes = [w.context for w in batch if w.new_tokens == 1]
+        longest_decode = max(decodes) if self.hw.pads_decodes and len(decodes) > 1 else 0
         for w in batch:
+            if w.new_tokens == 1 and longest_decode:
+                w = SeqWork(1, longest_decode, w.samples)
             mid, end = w.context + (w.new_tokens + 1) / 2, w.context + w.new_tokens
             for kind in s.attention:
                 # Causal: the queries see on average the keys at their middle position.

@@ -35,6 +35,10 @@ class Hardware:
     # A served step's model time over bench forward's for the same batch: the serving path's threads
     # and the client take cores from the model's threads while it runs (1 on GPUs).
     serve_slowdown: float = 1.0
+    # The attention backend pads a step's decodes to the longest one's context (model/
+    # torch_attention.py on a CPU: one gathered, masked batch), so each decode costs the longest
+    # context; GPU paged kernels read each sequence's own.
+    pads_decodes: bool = False
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True
