@@ -21,8 +21,8 @@ BLOCK = 16
 
 
 def _order(req: str, blocks: int, remote: str = "p0") -> MooncakeConnectorMetadata:
-    return MooncakeConnectorMetadata(loads=[LoadOrder(req, list(range(blocks)), list(range(blocks)), "127.0.0.1",
-                                                      10000, remote)])
+    return MooncakeConnectorMetadata(loads=[LoadOrder(req, [list(range(blocks))], [list(range(blocks))],
+                                                      "127.0.0.1", 10000, remote)])
 
 
 def test_transfer_time_is_the_blocks_bytes_over_the_link():

@@ -76,7 +76,11 @@ class SimTransfer:
             return
         now = self.clock()
         for order in metadata.loads:
-            tokens = len(order.local_block_ids) * self.block_size
+            # One cache group (the simulator's models have one): its blocks are the prompt's tokens;
+            # none for an order that only releases the producer's hold.
+            assert len(order.local_block_ids) <= 1, "a simulated instance has one KV cache group"
+            blocks = len(order.local_block_ids[0]) if order.local_block_ids else 0
+            tokens = blocks * self.block_size
             nbytes = self.kv_bytes(tokens) if tokens else 0.0
             begin = max(now, self.link_free[dp_rank])
             end = begin + (nbytes / self.bandwidth + self.latency if tokens else 0.0)
@@ -86,7 +90,7 @@ class SimTransfer:
                 (end, order.remote_request_id))
             if tokens:
                 r = self.fabric.record
-                r.loads, r.blocks = r.loads + 1, r.blocks + len(order.local_block_ids)
+                r.loads, r.blocks = r.loads + 1, r.blocks + blocks
                 r.bytes += nbytes
                 r.seconds += end - begin
 
