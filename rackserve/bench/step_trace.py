@@ -26,7 +26,7 @@ from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from rackserve.executor.base import Executor, create_executor
 from rackserve.sim.cost import CostModel, SeqWork
-from rackserve.sim.executor import SimExecutor, _ReqState
+from rackserve.sim.executor import SimExecutor
 
 
 class TimedExecutor(SimExecutor):
@@ -39,7 +39,7 @@ class TimedExecutor(SimExecutor):
         self.num_kv_blocks, self.kv_cache_config = real.num_kv_blocks, real.kv_cache_config
         self._works: list[list[SeqWork]] = []
 
-    def _batch(self, reqs: dict[str, _ReqState], so: SchedulerOutput) -> list[tuple[str, SeqWork, int]]:
+    def _batch(self, reqs: dict, so: SchedulerOutput) -> list[tuple[str, SeqWork, int]]:
         batch = super()._batch(reqs, so)
         self._works.append([w for _, w, _ in batch if w.new_tokens])
         return batch
