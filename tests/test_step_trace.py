@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rackserve.bench.step_trace import main
-from rackserve.sim.calibrate import FIRST_STEPS, trace_points
+from rackserve.sim.calibrate import FIRST_STEPS, TRACE_POINTS, trace_points
 from rackserve.sim.cost import SeqWork
 
 
@@ -29,5 +29,5 @@ def test_trace_records_the_real_steps_and_drives_the_clock_by_them(tiny_llama_di
     # The requests' times are the measured steps' (no think time in the random workload).
     assert run["sim"]["virtual_seconds"] == pytest.approx(sum(s["measured_s"] for s in steps), rel=0.05, abs=0.01)
     points = trace_points({"runs": [run]})
-    assert len(points) == len(steps) - FIRST_STEPS
+    assert len(points) == min(TRACE_POINTS, len(steps) - FIRST_STEPS)     # at most TRACE_POINTS, spread
     assert all(isinstance(w, SeqWork) for batch, _ in points for w in batch)
