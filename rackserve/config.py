@@ -28,6 +28,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False   # token ids in and out only: no tokenizer is loaded
     quantization: str = "none"      # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linears stay packed; "none": dequantized
     dtype_reason: str = "given by --dtype"     # why this dtype, for the startup log
+    quant_kernel: str = "auto"      # kernel of the packed linears: "vnni" | "int4" (quant/); "auto": chosen at load
+    quant_kernel_reason: str = ""   # why that kernel, for the startup log
 
 
 @dataclass(frozen=True)
@@ -213,8 +215,11 @@ class EngineArgs:
                       "(amx_bf16 or avx512_bf16), float32 on other CPUs, bfloat16 on CUDA",
                       choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _opt("auto", "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 linear weights packed and "
-                             "multiply them with torch's int4 kernel; none: dequantize them at load; "
+                             "multiply them with --quant-kernel; none: dequantize them at load; "
                              "auto: gguf for a .gguf file", choices=["auto", "gguf", "none"])
+    quant_kernel: str = _opt("auto", "kernel of the packed GGUF linears: vnni (int8 dot products, AVX-512 "
+                             "VNNI, built once with g++), int4 (torch's int4 kernel); auto: vnni where "
+                             "the CPU has it and it builds", choices=["auto", "vnni", "int4"])
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
     max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most requests running at once")
@@ -291,6 +296,9 @@ class EngineArgs:
         device = resolve_device(self.device)
         path = resolve_model_path(self.model)
         dtype, dtype_reason = resolve_dtype(self.dtype, device)
+        quantization = resolve_quantization(self.quantization, path)
+        from rackserve.model.quant.kernel_choice import resolve_quant_kernel
+        kernel = resolve_quant_kernel(self.quant_kernel, quantization, device)
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
@@ -300,8 +308,10 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             skip_tokenizer_init=self.skip_tokenizer_init,
-            quantization=resolve_quantization(self.quantization, path),
+            quantization=quantization,
             dtype_reason=dtype_reason,
+            quant_kernel=kernel.name,
+            quant_kernel_reason=kernel.reason,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,

@@ -1,6 +1,7 @@
 """GGUF weights kept quantized (--quantization gguf): Q4_0, Q4_1 and Q8_0 blocks decoded into int4
-groups exactly as gguf-py dequantizes them, torch's int4 kernel against the fp32 matmul of the
-dequantized weight, and tiny GGUF models loaded quantized against their HF originals.
+groups exactly as gguf-py dequantizes them, each quantized-linear kernel (torch's int4, our vnni)
+against the fp32 matmul of the dequantized weight, the kernel choice from given CPU flags, and tiny
+GGUF models loaded quantized against their HF originals.
 """
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ import torch
 
 from rackserve.config import ModelConfig
 from rackserve.model.loader import load_model
+from rackserve.cpu_dtype import cpu_flags
 from rackserve.model.quant.gguf_blocks import from_gguf
-from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS, PackedInt4Linear
+from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
+from rackserve.model.quant.kernel_choice import CPU_FLAGS, choose_quant_kernel
+from rackserve.model.quant.quantized_linear import QUANT_KERNELS
 from tests.test_model_gguf import write_gguf
 from tests.test_model_parity import prefill_logits
 from tests.tiny_models import load_hf
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+VNNI = choose_quant_kernel(cpu_flags())
+KERNELS = ["int4", pytest.param("vnni", marks=pytest.mark.skipif(VNNI.name != "vnni", reason=VNNI.reason))]
+# Largest error of an output, relative to its row's largest: torch's int4 kernel rounds activations
+# and outputs to bf16 (~0.4%); vnni's two int8 parts of each activation leave ~1e-5. A wrong scale
+# or zero of one group out of six shifts outputs by tens of percent.
+TOLERANCE = {"int4": 2e-2, "vnni": 2e-4}
 
 
 def random_blocks(qtype: str, rows: int = 72, cols: int = 192, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -42,25 +52,40 @@ def test_int4_groups_decode_gguf_blocks_exactly(qtype):
         groups.narrow(1, 16, 32)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 7, DENSE_ABOVE_ROWS + 3])
-def test_int4_kernel_matches_dequantized_fp32_matmul(qtype, rows):
+def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
     blocks, w = random_blocks(qtype)
-    linear = PackedInt4Linear(from_gguf(qtype, blocks))
+    linear = QUANT_KERNELS.get(kernel)(from_gguf(qtype, blocks))
+    # An outlier per row, as real activations have, and bf16 in and out.
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    x[:, rows % w.shape[1]] *= 20
     ref = x @ w.T
-    y = linear(x)
-    assert y.dtype == torch.float32 and y.shape == ref.shape
-    # bf16 activations and outputs: ~0.4% of each row's scale. A wrong scale or zero of one group
-    # out of six shifts outputs by tens of percent.
-    err = (y - ref).abs().amax(-1) / ref.abs().amax(-1)
-    assert float(err.max()) < (1e-5 if rows > DENSE_ABOVE_ROWS else 2e-2)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = linear(x.to(dtype))
+        assert y.dtype == dtype and y.shape == ref.shape
+        err = (y.float() - ref).abs().amax(-1) / ref.abs().amax(-1)
+        assert float(err.max()) < (1e-5 if rows > DENSE_ABOVE_ROWS and dtype == torch.float32
+                                   else TOLERANCE[kernel] if dtype == torch.float32 else 2e-2)
     assert torch.equal(linear.dequantize(), w)
 
 
-def test_exact_top_recomputes_the_largest_outputs_in_fp32():
+def test_the_kernel_choice_follows_the_cpu_flags_and_the_build():
+    def fails():
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    assert choose_quant_kernel(set(CPU_FLAGS), build=lambda: "lib.so").name == "vnni"
+    no_vnni = choose_quant_kernel(set(CPU_FLAGS) - {"avx512_vnni"}, build=lambda: "lib.so")
+    assert no_vnni.name == "int4" and "avx512_vnni" in no_vnni.reason
+    unbuilt = choose_quant_kernel(set(CPU_FLAGS), build=fails)
+    assert unbuilt.name == "int4" and "no C++ compiler" in unbuilt.reason
+    assert choose_quant_kernel(set()).name == "int4"          # /proc/cpuinfo unreadable: nothing assumed
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_exact_top_recomputes_the_largest_outputs_in_fp32(kernel):
     blocks, w = random_blocks("Q8_0", rows=512, cols=64)
-    linear = PackedInt4Linear(from_gguf("Q8_0", blocks))
+    linear = QUANT_KERNELS.get(kernel)(from_gguf("Q8_0", blocks))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 4
     ref = x @ w.T
     y = linear(x, exact_top=8)

@@ -100,6 +100,11 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     max_position = model_config.max_model_len or info.max_position_embeddings
     with torch.device(model_config.device), _default_dtype(dtype):
         model = model_cls(config, attn_backend, max_position, groups or ParallelGroups.single())
+    if model_config.quantization == "gguf":
+        from rackserve.model.quant.quantized_weight import QuantizedWeight
+        for module in model.modules():
+            if isinstance(module, QuantizedWeight):
+                module.quant_kernel = model_config.quant_kernel
     model.load_weights(weights)
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):

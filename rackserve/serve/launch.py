@@ -111,6 +111,8 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
         print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
               f"(metrics at {url}/metrics)\n"
               f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
+              + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})\n"
+                 if m.quantization == "gguf" else "") +
               f"{kv_groups_line(engine)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)

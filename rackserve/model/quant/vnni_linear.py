@@ -1,0 +1,97 @@
+"""The "vnni" quantized-linear kernel: GGUF's Q4_0 / Q4_1 / Q8_0 blocks multiplied with int8 dot
+products (AVX-512 VNNI), llama.cpp's method: each row of x is quantized to int8 per block of 32 and
+meets the weight's 4- or 8-bit codes in integer sums, scaled per block by the weight's fp16 scale
+(and, for Q4_1, its fp16 minimum times the block's float sum of x). The weight is repacked once, at
+load, into 16-row tiles (csrc/vnni_gemv.cpp says the layout), the same bytes per weight as the GGUF
+file: 0.625 (Q4_1), 0.5625 (Q4_0), 1.0625 (Q8_0).
+
+The int8 activations cost about 0.5% of a row's scale in each output, llama.cpp's own error; the
+lm_head recomputes its top logits exactly (quantized_linear.py). The library is built by
+kernel_choice.build_library and called through ctypes. This file must never read checkpoints.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from rackserve.model.quant.gguf_blocks import GROUP, Int4Groups
+from rackserve.model.quant.kernel_choice import CPU_FLAGS, build_library
+from rackserve.model.quant.quantized_linear import QUANT_KERNELS, QuantizedLinear
+from rackserve.cpu_dtype import cpu_flags
+
+TILE = 16                                   # output rows a tile interleaves: the int32 lanes of a zmm
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the kernel's `kind`
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        raise RuntimeError(f"--quant-kernel vnni needs {', '.join(missing)}, which this CPU lacks (use int4)")
+    lib = ctypes.CDLL(build_library())
+    lib.rs_vnni_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.rs_vnni_gemv.restype = ctypes.c_int
+    return lib
+
+
+def _tiles_of(rows_first: torch.Tensor, tiles: int) -> torch.Tensor:
+    """[rows, blocks] fp16 values -> [tiles, blocks, 16 * 2 bytes]: a block's 16 rows side by side."""
+    return rows_first.to(torch.float16).view(tiles, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def pack(weight: Int4Groups) -> torch.Tensor:
+    """The kernel's records, uint8 [tiles, blocks, bytes]: per tile and block of 32 inputs, the 16
+    rows' codes interleaved 4 at a time, then the 16 fp16 scales d, then (Q4_1) the 16 minimums m."""
+    n, k = weight.shape
+    pad, nb = -n % TILE, k // GROUP
+    tiles = (n + pad) // TILE
+    if weight.qtype == "Q8_0":
+        # The hi and lo groups give back q + 128 = 16 hi + lo, the lo group's scale d.
+        codes = (weight.codes.view(n, nb, 2, GROUP)[:, :, 0] << 4) | weight.codes.view(n, nb, 2, GROUP)[:, :, 1]
+        d, m = weight.scales.view(n, nb, 2)[..., 1], None
+    else:
+        codes, d = weight.codes.view(n, nb, GROUP), weight.scales
+        # w = (code - 8) * scale + zero = d * code + m: m = zero - 8 d (fp16 in the file, exact here).
+        m = weight.zeros - 8 * weight.scales if weight.qtype == "Q4_1" else None
+    codes, d = F.pad(codes, (0, 0, 0, 0, 0, pad)), F.pad(d, (0, 0, 0, pad))
+    if weight.qtype == "Q8_0":
+        # byte (j, r, i) = code[r][4j + i]
+        c = codes.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
+    else:
+        # byte (j, r, i) = code[r][4j + i] | code[r][16 + 4j + i] << 4
+        c = codes.view(tiles, TILE, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        c = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, nb, 256)
+    parts = [c, _tiles_of(d, tiles)]
+    if m is not None:
+        parts.append(_tiles_of(F.pad(m, (0, 0, 0, pad)), tiles))
+    return torch.cat(parts, -1).contiguous()
+
+
+@QUANT_KERNELS.register("vnni")
+class VnniLinear(QuantizedLinear):
+    """Buffer `packed`: the tiles of `pack`, beside the shared plain codes."""
+
+    # Measured crossover against dequantize + dense GEMM (docs/benchmarks.md).
+    dense_above_rows = 128
+
+    def __init__(self, weight: Int4Groups):
+        super().__init__(weight)
+        self._lib = _library()
+        self.kind = KINDS[weight.qtype]
+        self.register_buffer("packed", pack(weight))
+
+    def weight_bytes_per_token(self) -> int:
+        return self.packed.numel()
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32).contiguous()
+        tiles = self.packed.shape[0]
+        y = torch.empty(xf.shape[0], tiles * TILE)
+        rc = self._lib.rs_vnni_gemv(xf.data_ptr(), xf.shape[0], self.in_features, self.packed.data_ptr(), tiles,
+                                    self.kind, y.data_ptr(), torch.get_num_threads())
+        assert rc == 0, "vnni_gemv refused its arguments"
+        return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
