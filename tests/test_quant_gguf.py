@@ -14,7 +14,8 @@ from rackserve.model.loader import load_model
 from rackserve.cpu_dtype import cpu_flags
 from rackserve.model.quant.gguf_blocks import from_gguf
 from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
-from rackserve.model.quant.kernel_choice import CPU_FLAGS, choose_quant_kernel
+from rackserve.model.native import CPU_FLAGS
+from rackserve.model.quant.kernel_choice import choose_quant_kernel
 from rackserve.model.quant.quantized_linear import QUANT_KERNELS
 from tests.test_model_gguf import write_gguf
 from tests.test_model_parity import prefill_logits

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rackserve.distributed.parallel_state import GroupCoordinator
+from rackserve.model import native_ops
 from rackserve.model.quant.quantized_weight import QuantizedWeight
 
 SINGLE = GroupCoordinator.single()
@@ -57,6 +58,11 @@ class RMSNorm(nn.Module):
         # for a prefill's 512 rows.
         xf = x.float()
         return (xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype).mul_(self.weight)
+
+    def add_forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + residual), h + residual), in one native call on float32 CPU rows, where
+        `residual` (the caller's own) takes the sum in place; without a residual, (norm(h), h)."""
+        return native_ops.add_rms_norm(h, residual, self.weight, self.eps)
 
 
 class Linear(QuantizedWeight, nn.Module):
@@ -279,5 +285,4 @@ class LMHead(VocabEmbedding):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return native_ops.silu_and_mul(gate_up)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from rackserve.distributed.parallel_state import GroupCoordinator, ParallelGroups
+from rackserve.model import native_ops
 from rackserve.model.attention import Attention
 from rackserve.model.layers import (LMHead, MergedLinear, QKVLinear, RMSNorm, RowParallelLinear, VocabEmbedding,
                                     silu_and_mul)
@@ -69,9 +70,13 @@ class LlamaAttention(nn.Module):
         return bool(config.get("attention_bias", False))
 
     def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q and k are adjacent in the fused output: one rope over both heads at once.
-        qk = qkv[:, :self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, cos, sin)
+        # q and k are adjacent in the fused output: one rope over both heads at once, in place in
+        # qkv (the projection's own output) where the native op runs.
+        heads, t = self.num_heads + self.num_kv_heads, qkv.shape[0]
+        if native_ops.rope_neox_(qkv, heads, self.head_dim, cos, sin):
+            qk = qkv[:, :self.q_size + self.kv_size].unflatten(1, (heads, self.head_dim))
+        else:
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, heads, self.head_dim), cos, sin)
         return qk[:, :self.num_heads], qk[:, self.num_heads:]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,10 +104,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = h if residual is None else h + residual
-        h = self.self_attn(self.input_layernorm(residual), cos, sin, attn_metadata)
-        residual = h + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, attn_metadata), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -123,7 +127,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, attn_metadata)
-        return self.norm(h + residual)
+        return self.norm.add_forward(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

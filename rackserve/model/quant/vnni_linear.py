@@ -1,41 +1,27 @@
 """The "vnni" quantized-linear kernel: GGUF's Q4_0 / Q4_1 / Q8_0 blocks multiplied with int8 dot
-products (AVX-512 VNNI), llama.cpp's method: each row of x is quantized to int8 per block of 32 and
-meets the weight's 4- or 8-bit codes in integer sums, scaled per block by the weight's fp16 scale
+products (AVX-512 VNNI), llama.cpp's method: each row of x is quantized to int8 per block of 32 (in two parts,
+below) and meets the weight's 4- or 8-bit codes in integer sums, scaled per block by the weight's fp16 scale
 (and, for Q4_1, its fp16 minimum times the block's float sum of x). The weight is repacked once, at
 load, into 16-row tiles (csrc/vnni_gemv.cpp says the layout), the same bytes per weight as the GGUF
 file: 0.625 (Q4_1), 0.5625 (Q4_0), 1.0625 (Q8_0).
 
-The int8 activations cost about 0.5% of a row's scale in each output, llama.cpp's own error; the
-lm_head recomputes its top logits exactly (quantized_linear.py). The library is built by
-kernel_choice.build_library and called through ctypes. This file must never read checkpoints.
+Each block of activations is written as two int8 parts (the int8 quantization and that of its
+residual), so outputs match the fp32 matmul of the dequantized weight to ~1e-5 of a row's scale,
+where llama.cpp's one part leaves ~0.5%. The native library (model/native.py)
+holds the kernel; this file must never read checkpoints.
 """
 from __future__ import annotations
-
-import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
+from rackserve.model.native import unavailable_reason
+from rackserve.model.native_ops import library
 from rackserve.model.quant.gguf_blocks import GROUP, Int4Groups
-from rackserve.model.quant.kernel_choice import CPU_FLAGS, build_library
 from rackserve.model.quant.quantized_linear import QUANT_KERNELS, QuantizedLinear
-from rackserve.cpu_dtype import cpu_flags
 
 TILE = 16                                   # output rows a tile interleaves: the int32 lanes of a zmm
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the kernel's `kind`
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        raise RuntimeError(f"--quant-kernel vnni needs {', '.join(missing)}, which this CPU lacks (use int4)")
-    lib = ctypes.CDLL(build_library())
-    lib.rs_vnni_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    lib.rs_vnni_gemv.restype = ctypes.c_int
-    return lib
 
 
 def _tiles_of(rows_first: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -80,7 +66,9 @@ class VnniLinear(QuantizedLinear):
 
     def __init__(self, weight: Int4Groups):
         super().__init__(weight)
-        self._lib = _library()
+        self._lib = library()
+        if self._lib is None:
+            raise RuntimeError(f"--quant-kernel vnni cannot run here: {unavailable_reason()} (use --quant-kernel int4)")
         self.kind = KINDS[weight.qtype]
         self.register_buffer("packed", pack(weight))
 

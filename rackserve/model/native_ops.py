@@ -1,0 +1,89 @@
+"""Ops of the native CPU library (csrc/, built by native.py) for float32 CPU tensors, each with the
+plain-torch form it replaces, which runs wherever the library does not (another dtype or device,
+a CPU without AVX-512 VNNI, no compiler): the quantized GEMV of quant/vnni_linear.py, and the
+fused decode ops that turn a layer's ~15 small torch ops around its matmuls into 3 calls
+(residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, and RoPE in place), each
+a Python dispatch less that a batch-1 decode step pays per op. This file must never decide
+what a layer computes: both forms give the same values up to float rounding.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from rackserve.model.native import build_library, unavailable_reason
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],
+    "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
+    "rs_silu_and_mul": [_P, _I64, _I64, _P],
+    "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where it cannot run."""
+    if unavailable_reason() is not None:
+        return None
+    lib = ctypes.CDLL(build_library())
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = _I
+    return lib
+
+
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    lib = library()
+    # Under torch.compile the torch forms are what inductor fuses; a ctypes call would break the graph.
+    if lib is None or torch.compiler.is_compiling() or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return lib
+
+
+def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(h + residual) * weight, h + residual); without a residual, (RMSNorm(h), h). The
+    native form adds into `residual` in place (vLLM's fused_add_rms_norm): the caller passes the
+    residual it owns."""
+    lib = _native(h, weight) if h.is_contiguous() and (residual is None or residual.is_contiguous()) else None
+    if lib is None:
+        residual = h if residual is None else h + residual
+        xf = residual.float()
+        # In float32 and cast back before the weight, as transformers does (bf16 matches it exactly).
+        return (xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(h.dtype).mul_(weight), residual
+    out = torch.empty_like(h)
+    if residual is None:
+        residual = h
+        lib.rs_add_rms_norm(None, residual.data_ptr(), weight.data_ptr(), eps, h.shape[0], h.shape[1], out.data_ptr())
+    else:
+        lib.rs_add_rms_norm(h.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, h.shape[0], h.shape[1],
+                            out.data_ptr())
+    return out, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate_up = [gate | up] along the last axis."""
+    lib = _native(gate_up) if gate_up.is_contiguous() else None
+    if lib is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, n)
+    lib.rs_silu_and_mul(gate_up.data_ptr(), rows, n, out.data_ptr())
+    return out
+
+
+def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates the first `heads` heads of each row of x [T, >= heads * head_dim] in place, neox
+    style (rotary.apply_rope's rule; cos and sin [T, 1, head_dim], sin's first half negated).
+    False where the native library cannot: the caller then applies the torch form."""
+    lib = _native(x, cos, sin) if x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous() else None
+    if lib is None:
+        return False
+    lib.rs_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True
