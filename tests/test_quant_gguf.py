@@ -125,14 +125,16 @@ def test_one_fused_layer_of_mixed_types_is_refused(tiny_llama_dir, tmp_path):
         load_model(ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf"))
 
 
-def test_bench_counts_the_bytes_the_kernel_reads(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bench_counts_the_bytes_the_kernel_reads(kernel, tiny_llama_dir, tmp_path):
     import dataclasses
 
     from gguf import GGMLQuantizationType as Q
 
     from rackserve.bench.forward_steps import model_cost
-    path = write_gguf(load_hf(tiny_llama_dir), str(tmp_path / "tiny.gguf"), "llama", [Q.Q4_1])
-    quantized = ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf")
+    # Q8_0: the kernels read it differently (int4: two groups with bf16 scales; vnni: the GGUF block).
+    path = write_gguf(load_hf(tiny_llama_dir), str(tmp_path / "tiny.gguf"), "llama", [Q.Q8_0])
+    quantized = ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf", quant_kernel=kernel)
     model, _ = load_model(quantized)
     packed = [m for m in model.modules() if getattr(m, "quant", None) is not None]
     saved = sum(m.quant.out_features * m.quant.in_features * 4 - m.quant.weight_bytes_per_token() for m in packed)

@@ -196,6 +196,8 @@ def _packed_savings(model_config: ModelConfig, dense_itemsize: int) -> int:
         return 0
     from rackserve.model.gguf_loader import hf_name, open_gguf
     from rackserve.model.quant.gguf_blocks import SUPPORTED, packed_nbytes
+    from rackserve.model.quant.kernel_choice import resolve_quant_kernel
+    kernel = resolve_quant_kernel(model_config.quant_kernel, "gguf", model_config.device).name
     tensors = open_gguf(model_config.model).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     saved = 0
@@ -204,7 +206,7 @@ def _packed_savings(model_config: ModelConfig, dense_itemsize: int) -> int:
             continue            # an untied embedding is only gathered, and stays dense
         if t.tensor_type.name in SUPPORTED and len(t.shape) == 2 and hf_name(t.name) is not None:
             n = int(t.n_elements)
-            saved += n * dense_itemsize - packed_nbytes(t.tensor_type.name, n)
+            saved += n * dense_itemsize - packed_nbytes(t.tensor_type.name, n, kernel)
     return saved
 
 

@@ -52,17 +52,14 @@ class RMSNorm(nn.Module):
         self.weight = _param(hidden_size)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 and cast back before the weight, as transformers does (so bf16
-        # matches it exactly). Written out because torch 2.13's F.rms_norm is ~10x slower on CPU
-        # for a prefill's 512 rows.
-        xf = x.float()
-        return (xf * xf.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).to(x.dtype).mul_(self.weight)
-
-    def add_forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(h + residual), h + residual), in one native call on float32 CPU rows, where
-        `residual` (the caller's own) takes the sum in place; without a residual, (norm(h), h)."""
-        return native_ops.add_rms_norm(h, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual (vLLM's form), (norm(x + residual), x + residual), where the
+        native op adds into `residual` (the caller's own) in place. Computed in float32 and cast
+        back before the weight, as transformers does (so bf16 matches it exactly); float32 CPU
+        rows take one native call (native_ops.py) instead of six ops."""
+        out, summed = native_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, summed)
 
 
 class Linear(QuantizedWeight, nn.Module):

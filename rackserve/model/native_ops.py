@@ -1,9 +1,10 @@
 """Ops of the native CPU library (csrc/, built by native.py) for float32 CPU tensors, each with the
 plain-torch form it replaces, which runs wherever the library does not (another dtype or device,
 a CPU without AVX-512 VNNI, no compiler): the quantized GEMV of quant/vnni_linear.py, and the
-fused decode ops that turn a layer's ~15 small torch ops around its matmuls into 3 calls
-(residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, and RoPE in place), each
-a Python dispatch less that a batch-1 decode step pays per op. This file must never decide
+fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
+(residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
+attention reading the paged KV cache in place), each a Python dispatch less that a batch-1
+decode step pays per op. This file must never decide
 what a layer computes: both forms give the same values up to float rounding.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ _SIGNATURES = {
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P],
 }
 
 
@@ -50,11 +52,13 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(RMSNorm(h + residual) * weight, h + residual); without a residual, (RMSNorm(h), h). The
     native form adds into `residual` in place (vLLM's fused_add_rms_norm): the caller passes the
     residual it owns."""
-    lib = _native(h, weight) if h.is_contiguous() and (residual is None or residual.is_contiguous()) else None
+    plain = h.dim() == 2 and h.is_contiguous() and (residual is None or residual.is_contiguous())
+    lib = _native(h, weight) if plain else None
     if lib is None:
         residual = h if residual is None else h + residual
         xf = residual.float()
-        # In float32 and cast back before the weight, as transformers does (bf16 matches it exactly).
+        # In float32 and cast back before the weight, as transformers does (bf16 matches it exactly);
+        # written out because torch 2.13's F.rms_norm is ~10x slower on CPU for a prefill's 512 rows.
         return (xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).to(h.dtype).mul_(weight), residual
     out = torch.empty_like(h)
     if residual is None:
@@ -87,3 +91,20 @@ def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, si
         return False
     lib.rs_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
     return True
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                           lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
+    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. None
+    where the native library cannot (the caller gathers and runs SDPA)."""
+    lib = _native(q, k_cache, v_cache) if q.stride(2) == 1 and q.stride(1) == q.shape[2] else None
+    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    rows, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = q.new_empty(rows, heads * head_dim)
+    lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                  tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim,
+                                  block_size, scale, out.data_ptr())
+    return out

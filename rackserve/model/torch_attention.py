@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rackserve.model import native_ops
 from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata, Workspace, register_attn_backend
 
 
@@ -44,6 +45,7 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None           # [num_decodes, 1, 1, decode_kv_len]; None when all equal
     decode_block_run: slice | None             # one decode whose blocks are consecutive: read in place
     workspace: Workspace                       # where layers gather the paged context
+    decode_lens: torch.Tensor | None = None    # [num_decodes] int64 context of each decode row
 
 
 @register_attn_backend("torch")
@@ -92,7 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
                 lens = torch.tensor(decode_lens, device=device)
                 mask = (torch.arange(kv_len, device=device)[None, :] < lens[:, None]).view(d, 1, 1, kv_len)
         return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask, run,
-                                      common.workspace or Workspace())
+                                      common.workspace or Workspace(),
+                                      torch.tensor(decode_lens, dtype=torch.long, device=device) if decode_rows else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata) -> torch.Tensor:
@@ -149,6 +152,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 m: TorchAttentionMetadata) -> torch.Tensor:
+        # float32 on CPU: one native call reads the blocks in place (native_ops.py).
+        o = native_ops.paged_decode_attention(q, k_cache, v_cache, m.decode_block_tables, m.decode_lens, self.scale)
+        if o is not None:
+            return o
         d, kvh = q.shape[0], self.num_kv_heads
         # A KV group's query heads all see the same keys, so they stand in for the query axis.
         qd = q.reshape(d, kvh, self.num_heads // kvh, self.head_dim)

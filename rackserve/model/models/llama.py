@@ -104,8 +104,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.add_forward(h, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, attn_metadata), residual)
+        # vLLM's fused residual: each norm also returns (and, natively, updates in place) the sum.
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn_metadata), residual)
         return self.mlp(h), residual
 
 
@@ -127,7 +131,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, attn_metadata)
-        return self.norm.add_forward(h, residual)[0]
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -80,9 +80,12 @@ class Int4Groups:
         return groups.view(rows, -1, self.expand, GROUP).sum(2).view(rows, width // self.expand)
 
 
-def packed_nbytes(qtype: str, numel: int) -> int:
-    """What the int4 kernel reads for a weight of `numel` elements: 4-bit codes and a bf16 scale
-    and zero per group."""
+def packed_nbytes(qtype: str, numel: int, kernel: str = "int4") -> int:
+    """What a quantized-linear kernel reads for a weight of `numel` elements. "int4": 4-bit codes
+    and a bf16 scale and zero per group (Q8_0 as two groups); "vnni": the GGUF block itself (codes,
+    fp16 scale, and Q4_1's fp16 minimum)."""
+    if kernel == "vnni":
+        return numel // GROUP * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
     width = numel * _EXPAND[qtype]
     return width // 2 + width // GROUP * 4
 

@@ -1,0 +1,76 @@
+"""The native library's fused decode ops (model/native_ops.py) against the torch forms they
+replace, on float32 CPU rows: residual add + RMSNorm (and its residual updated in place), SiLU-and-
+mul, and neox RoPE in place on a fused qkv row; and the torch forms where the library does not run
+(bf16). Skipped where the library cannot build or run (its reason is the skip reason).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rackserve.model import native_ops
+from rackserve.model.native import unavailable_reason
+from rackserve.model.rotary import RotaryEmbedding, apply_rope
+
+WHY_NOT = unavailable_reason()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * w
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])        # 70: the rows split over threads
+def test_add_rms_norm_matches_torch_and_updates_the_residual(rows):
+    g = torch.Generator().manual_seed(rows)
+    h, residual, w = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g), torch.rand(96, generator=g)
+    expected_sum = h + residual
+    out, new_residual = native_ops.add_rms_norm(h, residual, w, 1e-6)
+    assert new_residual.data_ptr() == residual.data_ptr()       # in place, as vLLM's fused_add_rms_norm
+    torch.testing.assert_close(new_residual, expected_sum, rtol=0, atol=0)
+    torch.testing.assert_close(out, _rms(expected_sum, w, 1e-6), rtol=1e-5, atol=1e-6)
+    first, same = native_ops.add_rms_norm(h, None, w, 1e-6)
+    assert same is h
+    torch.testing.assert_close(first, _rms(h, w, 1e-6), rtol=1e-5, atol=1e-6)
+    # bf16 takes the torch form: normalised in float32, cast back before the weight.
+    hb = h.bfloat16()
+    out_b, _ = native_ops.add_rms_norm(hb, None, w.bfloat16(), 1e-6)
+    assert out_b.dtype == torch.bfloat16
+    torch.testing.assert_close(out_b.float(), _rms(h, w, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+def test_silu_and_mul_matches_torch():
+    x = torch.randn(3, 2 * 80, generator=torch.Generator().manual_seed(0)) * 4
+    torch.testing.assert_close(native_ops.silu_and_mul(x), F.silu(x[:, :80]) * x[:, 80:], rtol=1e-5, atol=1e-6)
+
+
+def test_rope_in_place_matches_apply_rope_on_the_q_and_k_heads_only():
+    heads, kv_heads, hd, t = 4, 2, 32, 6
+    rope = RotaryEmbedding(hd, 64, {"rope_theta": 10000.0, "rope_type": "default"})
+    cos, sin = rope(torch.tensor([0, 3, 7, 8, 20, 63]))
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * hd, generator=torch.Generator().manual_seed(1))
+    qk = qkv[:, :(heads + kv_heads) * hd].reshape(t, heads + kv_heads, hd)
+    expected, v = apply_rope(qk, cos, sin), qkv[:, (heads + kv_heads) * hd:].clone()
+    assert native_ops.rope_neox_(qkv, heads + kv_heads, hd, cos, sin)
+    torch.testing.assert_close(qkv[:, :(heads + kv_heads) * hd].view(t, -1, hd), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * hd:], v)      # v untouched
+    assert not native_ops.rope_neox_(qkv.bfloat16(), heads + kv_heads, hd, cos, sin)
+
+
+def test_paged_decode_attention_reads_scattered_blocks_in_place():
+    # 3 decode rows of different lengths over non-consecutive blocks, GQA (6 query heads on 2 KV
+    # heads): against softmax(q k^T) v on the tokens gathered by hand.
+    heads, kv_heads, hd, bs = 6, 2, 16, 4
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.randn(12, bs, kv_heads, hd, generator=g), torch.randn(12, bs, kv_heads, hd, generator=g)
+    tables, lens = [[7, 2, 9], [0, 11, 0], [5, 0, 0]], [10, 6, 1]
+    q = torch.randn(3, heads, hd, generator=g)
+    out = native_ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor(sum(tables, [])), torch.tensor(lens), 0.25)
+    for r, (table, n) in enumerate(zip(tables, lens)):
+        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)   # [n, heads, hd]
+        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        p = (torch.einsum("hd,nhd->hn", q[r], k) * 0.25).softmax(-1)
+        torch.testing.assert_close(out[r].view(heads, hd), torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
+    assert native_ops.paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), torch.tensor(sum(tables, [])),
+                                             torch.tensor(lens), 0.25) is None
