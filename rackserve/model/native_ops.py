@@ -72,7 +72,7 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate_up = [gate | up] along the last axis."""
-    lib = _native(gate_up) if gate_up.is_contiguous() else None
+    lib = _native(gate_up) if gate_up.dim() == 2 and gate_up.is_contiguous() else None
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -86,7 +86,8 @@ def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, si
     """Rotates the first `heads` heads of each row of x [T, >= heads * head_dim] in place, neox
     style (rotary.apply_rope's rule; cos and sin [T, 1, head_dim], sin's first half negated).
     False where the native library cannot: the caller then applies the torch form."""
-    lib = _native(x, cos, sin) if x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous() else None
+    plain = x.dim() == 2 and x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    lib = _native(x, cos, sin) if plain else None
     if lib is None:
         return False
     lib.rs_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
@@ -98,7 +99,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
     found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. None
     where the native library cannot (the caller gathers and runs SDPA)."""
-    lib = _native(q, k_cache, v_cache) if q.stride(2) == 1 and q.stride(1) == q.shape[2] else None
+    plain = q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    lib = _native(q, k_cache, v_cache) if plain else None
     if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     rows, heads, head_dim = q.shape
