@@ -55,7 +55,7 @@ def test_int4_groups_decode_gguf_blocks_exactly(qtype):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 7, DENSE_ABOVE_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 7, DENSE_ABOVE_ROWS + 3, 515])   # 515: above vnni's dense_above_rows too
 def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
     blocks, w = random_blocks(qtype)
     linear = QUANT_KERNELS.get(kernel)(from_gguf(qtype, blocks))
@@ -67,7 +67,7 @@ def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
         y = linear(x.to(dtype))
         assert y.dtype == dtype and y.shape == ref.shape
         err = (y.float() - ref).abs().amax(-1) / ref.abs().amax(-1)
-        assert float(err.max()) < (1e-5 if rows > DENSE_ABOVE_ROWS and dtype == torch.float32
+        assert float(err.max()) < (1e-5 if rows > linear.dense_above_rows and dtype == torch.float32
                                    else TOLERANCE[kernel] if dtype == torch.float32 else 2e-2)
     assert torch.equal(linear.dequantize(), w)
 
@@ -91,7 +91,7 @@ def test_exact_top_recomputes_the_largest_outputs_in_fp32(kernel):
     ref = x @ w.T
     y = linear(x, exact_top=8)
     top = ref.topk(8, dim=-1).indices
-    torch.testing.assert_close(y.gather(1, top), ref.gather(1, top), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(y.gather(1, top), ref.gather(1, top), atol=1e-4, rtol=1e-4)
     assert torch.equal(y.argmax(-1), ref.argmax(-1))
 
 

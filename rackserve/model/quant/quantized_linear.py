@@ -22,6 +22,9 @@ class QuantizedLinear(nn.Module):
     and zeros that the dense and exact paths dequantize from."""
 
     dense_above_rows: int = 128
+    # Whether outputs are rounded coarsely enough to tie or swap close logits (bf16): then
+    # `exact_top` recomputes the largest ones; a kernel as exact as fp32 skips that.
+    rounds_outputs: bool = True
 
     def __init__(self, weight: Int4Groups):
         super().__init__()
@@ -59,7 +62,7 @@ class QuantizedLinear(nn.Module):
         if x.shape[0] > self.dense_above_rows:
             return F.linear(x, self.dequantize(x.dtype))
         y = self._kernel(x)
-        if exact_top:
+        if exact_top and self.rounds_outputs:
             top = y.topk(min(exact_top, y.shape[1]), dim=-1).indices
             y.scatter_(1, top, self.exact_rows(x, top))
         return y
