@@ -22,8 +22,8 @@ def choose_quant_kernel(flags: frozenset[str] | set[str] | None = None, build=bu
     why_not = unavailable_reason(flags, build)
     if why_not:
         return KernelChoice("int4", f"torch's int4 kernel: no vnni kernel here, {why_not}")
-    return KernelChoice("vnni", "int8 dot products with AVX-512 VNNI on the GGUF blocks (llama.cpp's method), "
-                                "~3x torch's int4 kernel per decode GEMV on this kind of CPU")
+    return KernelChoice("vnni", "the CPU has AVX-512 VNNI and the native library built: int8 dot products on "
+                                "the GGUF blocks, as llama.cpp, reading the file's bytes and fp32-exact to ~1e-5")
 
 
 def resolve_quant_kernel(quant_kernel: str, quantization: str, device: str) -> KernelChoice:
