@@ -72,7 +72,12 @@ def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
     assert torch.equal(linear.dequantize(), w)
 
 
-def test_the_kernel_choice_follows_the_cpu_flags_and_the_build():
+def test_the_kernel_choice_follows_the_cpu_flags_and_the_build(tmp_path):
+    from rackserve.model.native import build_library
+    (tmp_path / "a-file").write_text("")
+    unwritable = choose_quant_kernel(set(CPU_FLAGS), build=lambda: build_library(str(tmp_path / "a-file" / "kernels")))
+    assert unwritable.name == "int4" and "failed" in unwritable.reason
+
     def fails():
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     assert choose_quant_kernel(set(CPU_FLAGS), build=lambda: "lib.so").name == "vnni"

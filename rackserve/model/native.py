@@ -50,12 +50,15 @@ def build_library(cache_dir: str = CACHE_DIR) -> str:
     path = os.path.join(cache_dir, f"rackserve-native-{digest.hexdigest()[:16]}.so")
     if os.path.exists(path):
         return path
-    os.makedirs(cache_dir, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"       # processes building at once each rename a whole file
-    done = subprocess.run([cxx, *CXX_FLAGS, *SOURCES, "-o", tmp], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{cxx} failed to build {', '.join(SOURCES)}: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        done = subprocess.run([cxx, *CXX_FLAGS, *SOURCES, "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {', '.join(SOURCES)}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    except OSError as e:                    # an unwritable cache directory, a compiler that cannot run
+        raise RuntimeError(f"building the native library in {cache_dir} failed: {e}") from e
     return path
 
 
