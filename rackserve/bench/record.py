@@ -10,21 +10,19 @@ import platform
 import sys
 from typing import Any
 
+from rackserve.cpu_dtype import cpu_flags
+
 
 def cpu_name() -> str:
     """The CPU model and its wide-vector features (the same project runs on AMD Zen without
     AVX-512 and on Xeons with AMX, and a figure means little without knowing which)."""
-    name, flags = platform.processor() or platform.machine(), set()
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
+    flags = cpu_flags()
     features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(features)})" if features else name
 
