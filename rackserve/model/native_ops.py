@@ -99,7 +99,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
     found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. None
     where the native library cannot (the caller gathers and runs SDPA)."""
-    plain = q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+             and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous())
     lib = _native(q, k_cache, v_cache) if plain else None
     if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None

@@ -76,7 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
 
         rows: slice | torch.Tensor | None = None
-        tables = mask = run = None
+        tables = mask = run = lens = None
         kv_len = 0
         if decode_rows:
             d = len(decode_rows)
@@ -87,15 +87,14 @@ class TorchAttentionBackend(AttentionBackend):
             tables = torch.tensor([b for t in decode_tables for b in t + [0] * (width - len(t))],
                                   dtype=torch.long, device=device)
             kv_len = max(decode_lens)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
             only = decode_tables[0]
             if d == 1 and only == list(range(only[0], only[0] + len(only))):
                 run = slice(only[0], only[0] + len(only))
             if min(decode_lens) != kv_len:
-                lens = torch.tensor(decode_lens, device=device)
                 mask = (torch.arange(kv_len, device=device)[None, :] < lens[:, None]).view(d, 1, 1, kv_len)
         return TorchAttentionMetadata(start, common.slot_mapping, prefills, rows, tables, kv_len, mask, run,
-                                      common.workspace or Workspace(),
-                                      torch.tensor(decode_lens, dtype=torch.long, device=device) if decode_rows else None)
+                                      common.workspace or Workspace(), lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], metadata: TorchAttentionMetadata) -> torch.Tensor:
