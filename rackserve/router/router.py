@@ -4,9 +4,9 @@ An instance joins from its URL alone: GET /kv_events says its DP ranks, block si
 and event endpoints, and one KVEventSubscriber per DP rank keeps the index current. Health
 checks (GET /health) take an instance that dies or stops answering out of the pool, dropping
 its index entries and predicted load, and let it back in once it answers again (its index is
-rebuilt by replay); a request whose connection fails has its instance checked at once. `route` tokenizes nothing: it hashes the prompt's token ids with the
-instances' scheme (core/hashing.py) and asks the policy. This file never speaks OpenAI (the
-front in server.py does).
+rebuilt by replay); a request whose connection fails has its instance checked at once. `route`
+tokenizes nothing: it hashes the prompt's token ids with the instances' scheme (core/hashing.py)
+and asks the policy. This file never speaks OpenAI (the front in server.py does).
 """
 from __future__ import annotations
 
