@@ -133,7 +133,7 @@ async def run_phase(url: str, model: str, args: argparse.Namespace, mixed: bool,
         await asyncio.gather(*results[0])
     if len(itls) < 2:
         raise RuntimeError(f"only {len(itls)} ITLs in {args.duration} s: lengthen --duration")
-    q = statistics.quantiles(itls, n=100)
+    q = statistics.quantiles(itls, n=100, method="inclusive")   # as bench serve (np.percentile): never past the max
     return {"phase": "mixed" if mixed else "decode-only", "itl_count": len(itls),
             "itl_p50_ms": statistics.median(itls) * 1e3, "itl_p90_ms": q[89] * 1e3,
             # Stalls rarer than one gap in ten (a long prompt's prefill beside decodes) show here only.

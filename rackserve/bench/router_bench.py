@@ -165,7 +165,7 @@ def added_latency(direct: str, router: str, model: str, n: int) -> dict:
                 http.post(f"{url}/v1/completions", json=body).raise_for_status()
                 times[side].append(time.perf_counter() - start)
     diffs = sorted(r - d for r, d in zip(times["router"], times["direct"]))
-    q1, median, q3 = statistics.quantiles(diffs, n=4)
+    q1, median, q3 = statistics.quantiles(diffs, n=4, method="inclusive")
     return {"pairs": n, "direct_median_s": statistics.median(times["direct"]),
             "router_median_s": statistics.median(times["router"]), "added_median_s": median,
             "added_q1_s": q1, "added_q3_s": q3}
