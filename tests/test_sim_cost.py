@@ -211,19 +211,59 @@ def test_a_bounded_indexer_stops_growing_with_context():
 
 
 def test_packed_weights_are_dequantized_above_the_engines_row_threshold():
-    """A GGUF's packed linears are unpacked for steps of more than int4_linear's DENSE_ABOVE_ROWS
-    tokens: the cost model adds that pass over the weights there, and only there."""
+    """A GGUF's packed linears are unpacked for steps of more rows than the engine's kernel's
+    `dense_above_rows` (each kernel its own: int4 and vnni differ): the cost model adds that pass
+    over the weights there, and only there, and below it prices the kernel's own efficiency class."""
     import dataclasses
-    from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
-    from rackserve.sim.calibrate import DEQUANTIZE_ABOVE_ROWS
-    assert DEQUANTIZE_ABOVE_ROWS == DENSE_ABOVE_ROWS
+    from rackserve.model.quant.quantized_linear import QUANT_KERNELS
+    from rackserve.sim.cost import packed_class
     spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
-    packed = dataclasses.replace(spec, dense_weight_bytes=0.75, dequantize_above_tokens=DENSE_ABOVE_ROWS)
     cpu = load_hardware("cpu")
-    for tokens, extra in ((DENSE_ABOVE_ROWS, 0.0), (DENSE_ABOVE_ROWS + 1, 2 * 4.0 * spec.dense_params_per_token)):
-        batch = [SeqWork(tokens, 0)]
-        assert (CostModel(packed, cpu)._dense(batch).bytes
-                == pytest.approx(CostModel(spec, cpu)._dense(batch).bytes * 0.75 / 4 + extra))
+    for kernel in ("int4", "vnni"):
+        rows = QUANT_KERNELS.get(kernel).dense_above_rows
+        packed = dataclasses.replace(spec, dense_weight_bytes=0.75, dequantize_above_tokens=rows, packed_kernel=kernel)
+        rated = dataclasses.replace(cpu, efficiency={**cpu.efficiency, packed_class(kernel): 0.1})
+        for tokens, extra in ((rows, 0.0), (rows + 1, 2 * 4.0 * spec.dense_params_per_token)):
+            batch = [SeqWork(tokens, 0)]
+            assert (CostModel(packed, cpu)._dense(batch).bytes
+                    == pytest.approx(CostModel(spec, cpu)._dense(batch).bytes * 0.75 / 4 + extra))
+        # Below the threshold the kernel's own (here much lower) rate sets the compute time.
+        at, above = [SeqWork(rows, 0)], [SeqWork(rows + 1, 0)]
+        assert CostModel(packed, rated)._dense(at).seconds > 2 * CostModel(packed, cpu)._dense(at).seconds
+        assert CostModel(packed, rated)._dense(above).seconds == CostModel(packed, cpu)._dense(above).seconds
+
+
+def test_a_calibration_records_the_kernels_the_engine_ran(smollm2_gguf):
+    """bench forward records the engine's own kernel choice (ModelConfig.quant_kernel resolved, the
+    kernel class's dense_above_rows, whether the native decode attention runs) and the calibration
+    takes its threshold and its decode padding from that record, never from a constant."""
+    import dataclasses
+
+    from rackserve.bench.engine_kernels import engine_kernels
+    from rackserve.config import ModelConfig
+    from rackserve.model.native import unavailable_reason
+    from rackserve.model.quant.kernel_choice import choose_quant_kernel
+    from rackserve.model.quant.quantized_linear import QUANT_KERNELS
+    from rackserve.sim.calibrate import _as_measured, calibrated_spec, fit
+    base = load_model_spec("smollm2-135m-instruct")
+    for quant_kernel in ("auto", "int4"):
+        model = ModelConfig(smollm2_gguf, "m", smollm2_gguf, "float32", "cpu", None, 0, quantization="gguf",
+                            quant_kernel=quant_kernel)
+        kernels = engine_kernels(model)
+        name = choose_quant_kernel().name if quant_kernel == "auto" else "int4"
+        assert kernels == {"quant_kernel": name, "dense_above_rows": QUANT_KERNELS.get(name).dense_above_rows,
+                           "native_decode_attention": unavailable_reason() is None}
+        weight_bytes = 0.7 * (base.dense_params_per_token + base.lm_head_params)
+        result = {"settings": {"A": {"dtype": "float32", "cost": {"weight_bytes": weight_bytes}, "kernels": kernels}}}
+        spec = calibrated_spec(base, _as_measured(base, result))
+        assert (spec.packed_kernel, spec.dequantize_above_tokens) == (name, kernels["dense_above_rows"])
+        points = [([SeqWork(1, 300)] * 2, 0.03), ([SeqWork(64, 0)], 0.05)]
+        assert fit(spec, points, 2e11, 2e10, pads_decodes=False).pads_decodes is False
+    # A 16-bit model or cache: the native kernel takes float32 only, so decodes go to padded SDPA.
+    assert engine_kernels(dataclasses.replace(model, dtype="bfloat16"))["native_decode_attention"] is False
+    assert engine_kernels(model, "bfloat16")["native_decode_attention"] is False
+    with pytest.raises(ValueError, match="re-run bench forward"):
+        _as_measured(base, {"settings": {"A": {"dtype": "float32", "cost": {"weight_bytes": 1.0}}}})
 
 
 def test_a_backend_that_pads_decodes_prices_each_at_the_longest_context():

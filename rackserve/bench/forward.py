@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from rackserve.bench.engine_kernels import engine_kernels
 from rackserve.bench.forward_steps import ForwardPoint, ModelCost, Side, Timing, model_cost, time_point
 from rackserve.config import EngineArgs, EngineConfig
 from rackserve.executor.base import Executor, create_executor
@@ -241,7 +242,8 @@ def run_forward(args: argparse.Namespace) -> int:
               "settings": {s.label: {"executor": s.executor_name, "dtype": s.config.model.dtype,
                                      "device": s.config.model.device, "block_size": s.config.cache.block_size,
                                      "num_kv_blocks": s.executor.num_kv_blocks, "cost": dataclasses.asdict(s.cost),
-                                     "kv_cache_groups": _kv_groups(s.executor)}
+                                     "kv_cache_groups": _kv_groups(s.executor),
+                                     "kernels": engine_kernels(s.config.model, s.config.cache.cache_dtype)}
                            for s in settings},
               "limits": {label: vars(lim) for label, lim in limits.items()}, "load_average": load, "points": results,
               "command": "rackserve " + " ".join(sys.argv[1:]), "machine": platform.processor() or platform.machine()}

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Sequence
 
+from rackserve.bench.engine_kernels import engine_kernels
 from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from rackserve.executor.base import Executor, create_executor
@@ -75,7 +76,7 @@ def trace(args: argparse.Namespace, levels: list[int]) -> dict:
     real_config = engine_args.create_engine_config()
     executors: list[TimedExecutor] = []      # one a level: one instance each
 
-    def timed(setup, seed: int, kv_pool) -> TimedExecutor:
+    def timed(setup, seed: int) -> TimedExecutor:
         executors.append(TimedExecutor(setup.config, create_executor(real_config),
                                        CostModel(setup.spec, setup.hardware, setup.shape, seed), []))
         return executors[-1]
@@ -85,7 +86,8 @@ def trace(args: argparse.Namespace, levels: list[int]) -> dict:
         executor.shutdown()
         run["steps"] = executor.steps
     result["label"] = args.label or f"step trace: {args.model} executed, virtual clock"
-    result["step_trace"] = {"engine": dataclasses.asdict(engine_args)}
+    result["step_trace"] = {"engine": dataclasses.asdict(engine_args),
+                            "kernels": engine_kernels(real_config.model, real_config.cache.cache_dtype)}
     return result
 
 

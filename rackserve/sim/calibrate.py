@@ -20,23 +20,22 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from rackserve.sim.cost import PACKED_GEMM, CostModel, SeqWork
+from rackserve.sim.cost import CostModel, SeqWork, packed_class
 from rackserve.sim.hardware import Hardware
-from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
+from rackserve.sim.model_spec import ModelSpec, load_model_spec
 
 CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
 FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
 RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands")   # how a file was made
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-# model/quant/int4_linear.py's DENSE_ABOVE_ROWS (not imported: that module needs torch).
-DEQUANTIZE_ABOVE_ROWS = 128
 FIRST_STEPS = 3
 TRACE_POINTS = 120          # steps of a trace in a fit: enough to cover its mix, few enough to fit in seconds
 
 
 def load_calibration(path: str = CPU_CALIBRATION) -> tuple[Hardware, dict]:
     """A saved calibration: the device, and what the model ran as when it was measured ("spec":
-    weight and KV precision, weight bytes per parameter; empty for an older file: fp32)."""
+    weight and KV precision, weight bytes per parameter, the packed kernel and its dense threshold;
+    empty for an older file: fp32)."""
     if not os.path.isfile(path):
         raise ValueError(f"no cpu calibration at {path}: "
                          "run python -m rackserve.sim.calibrate on bench forward results")
@@ -57,18 +56,31 @@ def calibrated_spec(spec: ModelSpec, as_measured: dict) -> ModelSpec:
     precision = as_measured.get("weight_precision", "fp32")
     spec = spec.with_precision(precision, as_measured.get("kv_precision", precision))
     return dataclasses.replace(spec, dense_weight_bytes=as_measured.get("weight_bytes_per_param"),
-                               dequantize_above_tokens=as_measured.get("dequantize_above_tokens"))
+                               dequantize_above_tokens=as_measured.get("dequantize_above_tokens"),
+                               packed_kernel=as_measured.get("quant_kernel"))
 
 
 def _as_measured(spec: ModelSpec, result: dict) -> dict:
-    """What a bench forward result's side A ran: its dtype, and its weights' bytes per parameter
-    (a GGUF's packed linears read fewer than the dtype's)."""
+    """What a bench forward result's side A ran: its dtype, its weights' bytes per parameter (a
+    GGUF's packed linears read fewer than the dtype's), and the kernels the engine chose as it
+    recorded them (bench/engine_kernels.py): the packed kernel, the step size above which it
+    dequantizes, and whether decode attention read each sequence's blocks in place."""
     setting = result["settings"]["A"]
+    kernels = setting.get("kernels")
+    if kernels is None:
+        raise ValueError("a bench forward result without settings.A.kernels predates the recorded kernel "
+                         "choice: re-run bench forward")
     precision = _DTYPES.get(setting["dtype"], "fp32")
     per_param = setting["cost"]["weight_bytes"] / (spec.dense_params_per_token + spec.lm_head_params)
-    packed = per_param < 0.9 * PRECISION_BYTES[precision]
     return {"weight_precision": precision, "kv_precision": precision, "weight_bytes_per_param": per_param,
-            "dequantize_above_tokens": DEQUANTIZE_ABOVE_ROWS if packed else None}
+            "quant_kernel": kernels["quant_kernel"], "dequantize_above_tokens": kernels["dense_above_rows"],
+            "native_decode_attention": kernels["native_decode_attention"]}
+
+
+def as_measured_kernels(as_measured: dict) -> dict:
+    """The kernels of a calibration's record, as bench/engine_kernels.py names them."""
+    return {"quant_kernel": as_measured.get("quant_kernel"), "dense_above_rows": as_measured.get("dequantize_above_tokens"),
+            "native_decode_attention": as_measured.get("native_decode_attention")}
 
 
 def trace_points(trace: dict, most: int = TRACE_POINTS) -> list[tuple[list[SeqWork], float]]:
@@ -102,10 +114,11 @@ def check(path: str, side: str, spec: ModelSpec, hw: Hardware) -> list[dict]:
             for b, t in points]
 
 
-def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str) -> Hardware:
+def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str,
+         pads_decodes: bool = True) -> Hardware:
     return Hardware("cpu", {"fp32": flops, "bf16": flops}, bw, 64e9, bw, bw, 1, link_latency=50e-6,
                     step_overhead=overheads[0], seq_overhead=overheads[1], overlap=False, efficiency=dict(eff),
-                    source=source, pads_decodes=True)
+                    source=source, pads_decodes=pads_decodes)
 
 
 def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], float]]) -> float:
@@ -114,14 +127,17 @@ def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], 
 
 
 def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: float, bw: float,
-        source: str = "") -> Hardware:
+        source: str = "", pads_decodes: bool = True) -> Hardware:
     """The cpu device whose cost model best matches the measured points (and, for packed weights,
-    the packed kernel's own rate, from the points of up to DEQUANTIZE_ABOVE_ROWS rows)."""
-    classes = FITTED + ((PACKED_GEMM,) if spec.dequantize_above_tokens is not None else ())
+    the packed kernel's own rate, from the points of up to its dense threshold's rows).
+    `pads_decodes`: whether the measured engine's decode attention padded to the longest decode."""
+    packed = (packed_class(spec.packed_kernel),) if spec.dequantize_above_tokens is not None else ()
+    classes = FITTED + packed
     params = {**{k: 0.5 for k in classes}, "step_overhead": 0.005, "seq_overhead": 0.001}
 
     def device(p: dict[str, float]) -> Hardware:
-        return _cpu(flops, bw, {k: p[k] for k in classes}, (p["step_overhead"], p["seq_overhead"]), source)
+        return _cpu(flops, bw, {k: p[k] for k in classes}, (p["step_overhead"], p["seq_overhead"]), source,
+                    pads_decodes)
 
     best = _error(spec, device(params), points)
     step = 2.0
@@ -151,7 +167,11 @@ def fit_forward_results(results: Sequence[dict], model: str, source: str,
     points = [pt for r in results for pt in forward_points(r)] + [pt for t in traces for pt in trace_points(t)]
     flops = statistics.median(r["limits"]["A"]["matmul_gflops"] for r in results) * 1e9
     bw = statistics.median(r["limits"]["A"]["mem_read_gbps"] for r in results) * 1e9
-    hw = fit(spec, points, flops, bw, source)
+    for t in traces:
+        if t.get("step_trace", {}).get("kernels", as_measured_kernels(as_measured)) != as_measured_kernels(as_measured):
+            raise ValueError(f"a step trace ran other kernels ({t['step_trace']['kernels']}) than the bench forward "
+                             f"results ({as_measured_kernels(as_measured)})")
+    hw = fit(spec, points, flops, bw, source, pads_decodes=not as_measured["native_decode_attention"])
     model_ = CostModel(spec, hw)
     measured = [{"batch_size": len(b), "new_tokens": sum(w.new_tokens for w in b) // len(b),
                  "context_len": max(w.context for w in b), "measured_s": t, "simulated_s": model_.step([b]).seconds}

@@ -28,7 +28,12 @@ from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec
 
 ACT_BYTES = 2.0                 # bf16 activations on the wire (combine); dispatch is sent in fp8
 DISPATCH_BYTES = 1.0
-PACKED_GEMM = "packed_gemm_flops"   # a calibrated device's rate for packed (GGUF int4) linears, when it has one
+
+
+def packed_class(kernel: str | None) -> str:
+    """The efficiency class of a packed-weight kernel's multiplies ("vnni_gemm_flops"): each kernel
+    reaches its own fraction of the matmul peak, which a `cpu` calibration measures."""
+    return f"{kernel or 'packed'}_gemm_flops"
 
 
 class SeqWork(NamedTuple):
@@ -107,10 +112,10 @@ class CostModel:
         if s.dequantize_above_tokens is not None and tokens > s.dequantize_above_tokens:
             # Each packed linear is unpacked into a dense copy (written), which the GEMM then reads.
             nbytes += 2 * s.dense_params_per_token * PRECISION_BYTES[s.weight_precision]
-        elif s.dequantize_above_tokens is not None and PACKED_GEMM in self.hw.efficiency:
-            # Up to the threshold the packed weight-only kernel multiplies, at its own rate per FLOP
-            # (on this project's CPU 0.33 of the matmul peak against the dense GEMM's 0.54).
-            flops_class = PACKED_GEMM
+        elif s.dequantize_above_tokens is not None and packed_class(s.packed_kernel) in self.hw.efficiency:
+            # Up to the threshold the packed kernel the engine chose multiplies, at its own rate per
+            # FLOP (calibrate.py measures it per kernel: vnni's int8 dot products, torch's int4).
+            flops_class = packed_class(s.packed_kernel)
         return self._time(OpCost(flops / tp, nbytes / tp), flops_class, s.weight_precision)
 
     def _attention(self, batch: list[SeqWork]) -> OpCost:

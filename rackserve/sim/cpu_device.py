@@ -2,8 +2,9 @@
 quantization `rackserve serve` would run, found among the saved ones or measured on the spot.
 
 A calibration is keyed by what makes its step times true: the processor (model name and logical
-CPUs), the model, the dtype and the quantization (resolved as `rackserve serve` resolves them:
-auto dtype by the CPU's flags, a GGUF's weights kept packed). `rackserve sim --hardware cpu` looks
+CPUs), the model, the dtype, the quantization and the kernels (resolved as `rackserve serve`
+resolves them: auto dtype by the CPU's flags, a GGUF's weights kept packed, the packed kernel
+`--quant-kernel auto` picks, whether the native library's ops run). `rackserve sim --hardware cpu` looks
 in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
 sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
 context 256-2048, prefill of 256 tokens at batch 1 and 4 and of 64 at batch 1 and 2; a second
@@ -49,9 +50,15 @@ def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
     from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
     if quantization not in (None, "auto", "gguf", "none"):
         raise ValueError(f"--quantization {quantization} on cpu: rackserve serve runs gguf or none here")
+    from rackserve.model.native import unavailable_reason
+    from rackserve.model.quant.kernel_choice import resolve_quant_kernel
     path = resolve_model_path(model)
     quant = resolve_quantization(quantization or "auto", path)
-    return {"processor": processor(), "model": model, "dtype": resolve_dtype("auto", "cpu")[0], "quantization": quant}
+    # The kernels serve would choose here (its --quant-kernel auto, and whether the native library's
+    # ops run): a calibration measured with others prices steps that no longer run.
+    kernel = resolve_quant_kernel("auto", quant, "cpu").name if quant == "gguf" else None
+    return {"processor": processor(), "model": model, "dtype": resolve_dtype("auto", "cpu")[0], "quantization": quant,
+            "quant_kernel": kernel, "native_ops": unavailable_reason() is None}
 
 
 def find(key: dict[str, str], directories: list[str]) -> str | None:

@@ -85,8 +85,10 @@ class ModelSpec:
     # stay packed (Q4_1 and a Q8_0 embedding), as a `cpu` calibration measured them.
     dense_weight_bytes: float | None = None
     # Packed weights (a GGUF's) are dequantized to the compute dtype for a step of more tokens than
-    # this, then multiplied densely (model/quant/int4_linear.py's DENSE_ABOVE_ROWS); None: never.
+    # this, then multiplied densely: the engine's kernel's `dense_above_rows`, as a `cpu` calibration
+    # recorded it (bench/engine_kernels.py); None: never.
     dequantize_above_tokens: int | None = None
+    packed_kernel: str | None = None        # that kernel's name (--quant-kernel): its own efficiency class
 
     @property
     def total_params(self) -> int:
@@ -128,7 +130,7 @@ class ModelSpec:
         spec = self
         if weights:
             spec = replace(spec, weight_precision=weights, expert_precision=weights, dense_weight_bytes=None,
-                           dequantize_above_tokens=None)
+                           dequantize_above_tokens=None, packed_kernel=None)
         if kv:
             scale = PRECISION_BYTES[kv] / PRECISION_BYTES[spec.kv_precision]
             spec = replace(spec, kv_precision=kv,
