@@ -5,10 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from rackserve.bench.metrics import RunSummary
 from rackserve.bench.plot import plot_results, points
 from rackserve.serve.cli import main
 from rackserve.sim.calibrate import CPU_CALIBRATION
+from rackserve.sim.hardware import HARDWARE
+from rackserve.sim.model_spec import load_model_spec
 
 
 def test_sim_writes_bench_serve_json_that_bench_plot_draws(tmp_path):
@@ -93,7 +97,9 @@ def test_least_uncached_placement_keeps_sessions_on_their_cache(tmp_path):
 
 def test_a_kv_pool_serves_prefixes_another_instance_computed(tmp_path):
     """Round-robin sends a session's turns to instances that never saw it; a shared KV pool loads
-    their prefixes at link bandwidth instead of computing them, so the same run goes faster."""
+    their prefixes at link bandwidth instead of computing them, so the same run goes faster. The
+    loads are the engine's store connector's orders (sim/kv_store.py): whole blocks, each load
+    its KV bytes over the pool's bandwidth."""
     results = {}
     for pool in ("0", "200"):
         out = tmp_path / f"pool{pool}.json"
@@ -105,13 +111,19 @@ def test_a_kv_pool_serves_prefixes_another_instance_computed(tmp_path):
         results[pool] = json.loads(out.read_text())["runs"][0]
     assert results["0"]["sim"]["kv_pool_hit_tokens"] is None
     assert results["200"]["sim"]["kv_pool_hit_tokens"] > 0
+    loads = results["200"]["sim"]["kv_pool"]
+    spec = load_model_spec("qwen3-30b-a3b")
+    assert loads["loads"] > 0 and loads["blocks"] * 16 == results["200"]["sim"]["kv_pool_hit_tokens"]
+    assert loads["bytes"] == pytest.approx(loads["blocks"] * 16 * spec.kv_bytes_per_token())
+    assert loads["seconds"] == pytest.approx(loads["bytes"] / HARDWARE["H100"].scale_out_bw)
     assert results["200"]["summary"]["ttft"]["p50"] < results["0"]["summary"]["ttft"]["p50"]
 
 
 def test_kv_pool_keeps_the_most_recent_blocks():
+    from rackserve.core.hashing import block_hashes
     from rackserve.sim.kv_pool import KVPool
     pool = KVPool(capacity_tokens=4 * 16, bandwidth=1e9, block_size=16)
-    first, second = pool.hashes(list(range(64))), pool.hashes(list(range(100, 164)))
+    first, second = block_hashes(list(range(64)), 16), block_hashes(list(range(100, 164)), 16)
     pool.offer(first)
     assert pool.prefix_tokens(first, 64) == 64
     pool.offer(second[:2])          # evicts the two oldest blocks: the first prompt's prefix

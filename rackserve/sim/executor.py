@@ -19,8 +19,8 @@ from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from rackserve.executor.base import Executor, register_executor
 from rackserve.sim.cost import CostModel, ParallelShape, SeqWork, StepCost
 from rackserve.sim.hardware import GIB, load_hardware
-from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
+from rackserve.sim.kv_store import SimStoreTransfer
 from rackserve.sim.transfer import SimTransfer
 
 
@@ -32,9 +32,6 @@ class StepPricer(Protocol):
 class _ReqState:
     num_tokens: int             # prompt + outputs known so far
     num_computed: int
-    prompt_hashes: list[int] | None = None  # with a KV pool: the prompt's block hashes
-    loaded_until: int = 0       # with a KV pool: tokens before this one load from the pool
-    offered: int = 0            # with a KV pool: prompt blocks offered to it so far
 
 
 def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
@@ -50,22 +47,21 @@ def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
 @register_executor("sim")
 class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, pricer: StepPricer | None = None, spec: ModelSpec | None = None,
-                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0, kv_pool: KVPool | None = None,
-                 transfer: SimTransfer | None = None):
+                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0,
+                 transfer: "SimTransfer | SimStoreTransfer | None" = None):
         """Defaults (as the registry builds it): the model's config.json at config.model.model and
         this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
         decode step returns 1 + the accepted draft tokens, and the next step verifies them.
-        `transfer`: the KV connector's worker half on the simulated link (P/D: sim/transfer.py
-        carries out the orders of the engine's connector scheduler halves). `kv_pool`: a pool
-        shared with other instances (sim/kv_pool.py); prompt tokens it holds beyond the
-        instance's own hit load at its bandwidth."""
+        `transfer`: the KV connector's worker half on virtual time, carrying out the orders of
+        the engine's connector scheduler halves: P/D pulls over the link (sim/transfer.py), loads
+        from and stores to a KV pool shared with other instances (sim/kv_store.py), or both."""
         p = config.parallel
         self.spec = spec or load_model_spec(config.model.model)
         self.pricer = pricer or CostModel(self.spec, load_hardware("cpu"),
                                           ParallelShape(p.tensor_parallel_size, p.data_parallel_size,
                                                         p.enable_expert_parallel), config.model.seed)
         self.num_speculative_tokens, self.acceptance_rate = num_speculative_tokens, acceptance_rate
-        self.kv_pool, self.transfer = kv_pool, transfer
+        self.transfer = transfer
         self.model_max_len = self.spec.max_model_len
         self.vocab_size = self.spec.vocab_size
         self.num_kv_blocks = kv_blocks_for(self.spec, config)
@@ -86,8 +82,7 @@ class SimExecutor(Executor):
         assert len(scheduler_outputs) == self._dp, "one SchedulerOutput per DP rank"
         batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
         cost = self.pricer.step([[w for _, w, _ in batch if w.new_tokens] for batch in batches])
-        # Pool loads run beside the step's compute (layer by layer, as connectors pipeline them).
-        self.last_cost, self.last_step_seconds = cost, max(cost.seconds, self._load_seconds(batches))
+        self.last_cost, self.last_step_seconds = cost, cost.seconds
         connector = self._transfers(scheduler_outputs, batches)
         outputs = []
         for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
@@ -95,8 +90,6 @@ class SimExecutor(Executor):
             for req_id, work, n in batch:
                 state = reqs[req_id]
                 state.num_computed += n
-                if state.prompt_hashes is not None:
-                    self._offer(state)
                 if work.samples:
                     count = 1 + self._accepted(req_id, state)
                     tokens = [self._token(req_id, state.num_tokens + i) for i in range(count)]
@@ -126,41 +119,15 @@ class SimExecutor(Executor):
         for req_id in so.finished_req_ids:
             reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            state = reqs[new.req_id] = _ReqState(len(new.prompt_token_ids) + len(new.output_token_ids),
-                                                 new.num_computed_tokens)
-            if self.kv_pool is not None:
-                state.prompt_hashes = self.kv_pool.hashes(new.prompt_token_ids)
-                found = self.kv_pool.prefix_tokens(state.prompt_hashes, len(new.prompt_token_ids) - 1)
-                state.loaded_until = found if found > state.num_computed else 0
+            reqs[new.req_id] = _ReqState(len(new.prompt_token_ids) + len(new.output_token_ids),
+                                         new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             reqs[cached.req_id].num_computed = cached.num_computed_tokens
         batch = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = reqs[req_id]
-            work = SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens)
-            if state.loaded_until > state.num_computed:
-                load = min(state.num_computed + n, state.loaded_until) - state.num_computed
-                work = SeqWork(n - load, state.num_computed + load, work.samples)
-            batch.append((req_id, work, n))
+            batch.append((req_id, SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens), n))
         return batch
-
-    def _load_seconds(self, batches: list[list[tuple[str, SeqWork, int]]]) -> float:
-        """The slowest DP rank's pool loads this step (tokens scheduled but not computed)."""
-        if self.kv_pool is None:
-            return 0.0
-        worst = 0.0
-        for batch in batches:
-            tokens = sum(n - w.new_tokens for _, w, n in batch)
-            context = max((w.context for _, w, _ in batch), default=1)
-            self.kv_pool.hit_tokens += tokens
-            worst = max(worst, tokens * self.spec.kv_bytes_per_token(max(context, 1)) / self.kv_pool.bandwidth)
-        return worst
-
-    def _offer(self, state: _ReqState) -> None:
-        full = min(state.num_computed, len(state.prompt_hashes) * self.kv_pool.block_size) // self.kv_pool.block_size
-        if full > state.offered:
-            self.kv_pool.offer(state.prompt_hashes[state.offered:full])
-            state.offered = full
 
     def _accepted(self, req_id: str, state: _ReqState) -> int:
         """Draft tokens accepted after this one: each of k drafts survives with the acceptance rate

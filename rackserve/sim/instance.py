@@ -23,6 +23,7 @@ from rackserve.sim.executor import SimExecutor, kv_blocks_for
 from rackserve.sim.hardware import GIB, Hardware
 from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.model_spec import ModelSpec, load_model_spec
+from rackserve.sim.kv_store import SimMultiTransfer, SimStore, SimStoreTransfer, with_store
 from rackserve.sim.transfer import SimFabric, SimTransfer, pd_instance
 from rackserve.sim.virtual_loop import run_virtual
 
@@ -44,7 +45,7 @@ class SimSetup:
     kv_pool_bandwidth: float = 0.0       # bytes/s an instance loads from it
     # Builds each instance's executor (setup, seed, pool) in place of the priced one: a step trace
     # (bench/step_trace.py) runs the real model with the virtual clock driven by its step times.
-    executor_factory: "Callable[[SimSetup, int, KVPool | None], SimExecutor] | None" = None
+    executor_factory: "Callable[[SimSetup, int], SimExecutor] | None" = None
     template: TemplateTokens = TemplateTokens()     # the chat template's tokens around each prompt's words
 
     @classmethod
@@ -133,9 +134,10 @@ class SimSetup:
     def max_model_len(self) -> int:
         return self.spec.max_model_len
 
-    def engine(self, seed: int, kv_pool: KVPool | None = None, index: int = 0,
+    def engine(self, seed: int, store: SimStore | None = None, index: int = 0,
                fabric: SimFabric | None = None, clock: Callable[[], float] | None = None) -> EngineCore:
-        """Instance `index` (under P/D its connector's transfers go over `fabric`, on `clock`)."""
+        """Instance `index`: under P/D its MooncakeConnector's pulls go over `fabric`; with a KV
+        pool (`store`) its store connector loads and stores there; both on `clock`."""
         from rackserve.engine.data_parallel import least_load
         from rackserve.sim.routing import DP_PLACEMENTS
         config, transfer = self.config, None
@@ -143,23 +145,28 @@ class SimSetup:
             config, addresses = pd_instance(self.config, self.pd_role, index)
             transfer = SimTransfer(fabric, self.spec.kv_bytes, self.transfer_bandwidth, self.hardware.link_latency,
                                    config.cache.block_size, addresses, clock)
+        if store is not None:
+            pool = SimStoreTransfer(store, self.spec.kv_bytes, self.shape.data_parallel_size, clock, fabric.pool_record)
+            config, transfer = with_store(config, store), pool if transfer is None else SimMultiTransfer([transfer, pool])
         # An empty step waiting on transfers must not sleep the wall clock: the executor's step
         # lasts until the next transfer event in virtual time.
-        return EngineCore(config, self.executor(seed, kv_pool, transfer), DP_PLACEMENTS.get(self.dp_placement, least_load),
+        return EngineCore(config, self.executor(seed, transfer), DP_PLACEMENTS.get(self.dp_placement, least_load),
                           sleep=lambda seconds: None)
 
-    def executor(self, seed: int, kv_pool: KVPool | None = None, transfer: SimTransfer | None = None) -> SimExecutor:
+    def executor(self, seed: int, transfer: "SimTransfer | SimStoreTransfer | SimMultiTransfer | None" = None
+                 ) -> SimExecutor:
         if self.executor_factory is not None:
-            return self.executor_factory(self, seed, kv_pool)
+            return self.executor_factory(self, seed)
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
-                           self.num_speculative_tokens, self.acceptance_rate, kv_pool, transfer)
+                           self.num_speculative_tokens, self.acceptance_rate, transfer)
 
-    def kv_pool(self) -> KVPool | None:
+    def kv_pool(self) -> SimStore | None:
         """A fresh pool for one run, sized in tokens of this model's KV; None without one."""
         if not self.kv_pool_gib:
             return None
         per_token = self.spec.kv_bytes_per_token(min(self.max_model_len, 1 << 17))
-        return KVPool(int(self.kv_pool_gib * GIB / per_token), self.kv_pool_bandwidth, self.config.cache.block_size)
+        return SimStore(KVPool(int(self.kv_pool_gib * GIB / per_token), self.kv_pool_bandwidth,
+                               self.config.cache.block_size))
 
     def check_memory(self) -> None:
         """Weights + KV cache must fit a device: a deployment that cannot load is refused."""
@@ -224,9 +231,11 @@ class SimSetup:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if pool is not None:
+                    pool.close()
             return records, instances + prefill, prefill or instances, clock()
 
-        pools: list[KVPool | None] = []
+        pools: list[SimStore | None] = []
         fabrics = [SimFabric()]
         wall = time.perf_counter()
         records, instances, computing, virtual = run_virtual(play())
@@ -243,5 +252,6 @@ class SimSetup:
                         "steps": len(steps), "mean_step_seconds": sum(steps) / len(steps) if steps else 0.0,
                         "preemptions": sum(i.stats.preemptions for i in instances),
                         "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0,
-                        "kv_pool_hit_tokens": pools[0].hit_tokens if pools and pools[0] else None,
+                        "kv_pool_hit_tokens": pools[0].pool.hit_tokens if pools and pools[0] else None,
+                        "kv_pool": fabrics[0].pool_record.to_json() if pools and pools[0] else None,
                         "kv_transfer": fabrics[0].record.to_json() if self.prefill else None}}

@@ -56,6 +56,7 @@ class SimFabric:
     a decoder has read (and when the read ends), and the run's record."""
     reads: dict[tuple[str, int], list[tuple[float, str]]] = field(default_factory=dict)
     record: TransferRecord = field(default_factory=TransferRecord)
+    pool_record: TransferRecord = field(default_factory=TransferRecord)   # loads from a KV pool (kv_store.py)
 
 
 class SimTransfer:
