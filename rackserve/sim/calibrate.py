@@ -79,7 +79,8 @@ def _as_measured(spec: ModelSpec, result: dict) -> dict:
 
 def as_measured_kernels(as_measured: dict) -> dict:
     """The kernels of a calibration's record, as bench/engine_kernels.py names them."""
-    return {"quant_kernel": as_measured.get("quant_kernel"), "dense_above_rows": as_measured.get("dequantize_above_tokens"),
+    return {"quant_kernel": as_measured.get("quant_kernel"),
+            "dense_above_rows": as_measured.get("dequantize_above_tokens"),
             "native_decode_attention": as_measured.get("native_decode_attention")}
 
 

@@ -147,7 +147,8 @@ class SimSetup:
                                    config.cache.block_size, addresses, clock)
         if store is not None:
             pool = SimStoreTransfer(store, self.spec.kv_bytes, self.shape.data_parallel_size, clock, fabric.pool_record)
-            config, transfer = with_store(config, store), pool if transfer is None else SimMultiTransfer([transfer, pool])
+            config = with_store(config, store)
+            transfer = pool if transfer is None else SimMultiTransfer([transfer, pool])
         # An empty step waiting on transfers must not sleep the wall clock: the executor's step
         # lasts until the next transfer event in virtual time.
         return EngineCore(config, self.executor(seed, transfer), DP_PLACEMENTS.get(self.dp_placement, least_load),
