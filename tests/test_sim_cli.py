@@ -105,7 +105,7 @@ def test_a_kv_pool_serves_prefixes_another_instance_computed(tmp_path):
         out = tmp_path / f"pool{pool}.json"
         rc = main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--instances", "3",
                    "--router-policy", "round_robin", "--kv-cache-memory", "4", "--scale", "0.05",
-                   "--max-model-len", "32768", "--concurrency", "8", "--duration", "10", "--kv-pool-memory", pool,
+                   "--max-model-len", "32768", "--concurrency", "8", "--duration", "5", "--kv-pool-memory", pool,
                    "--output", str(out), "--summary-only"])
         assert rc == 0
         results[pool] = json.loads(out.read_text())["runs"][0]
