@@ -151,6 +151,10 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     calibration = json.loads(saved[0].read_text())
     assert calibration["key"] == cpu_device.serve_key(tiny_llama_dir)
     assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == "fp32"
+    # What the engine ran, as bench forward recorded it: no packed kernel; decodes padded unless native.
+    assert calibration["spec"]["quant_kernel"] is None and calibration["spec"]["dequantize_above_tokens"] is None
+    assert calibration["pads_decodes"] is not calibration["spec"]["native_decode_attention"]
+    assert calibration["spec"]["native_decode_attention"] is calibration["key"]["native_ops"]
     assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {
         (1, 1), (4, 1), (16, 1), (1, 256), (4, 256), (1, 64), (2, 64)}
     assert all(m["measured_s"] > 0 and m["simulated_s"] > 0 for m in calibration["measured"])
