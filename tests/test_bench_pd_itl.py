@@ -1,8 +1,10 @@
 """`rackserve bench pd-itl` end to end at a tiny size: it starts a prefiller and a decoder bound to
-CPUs of their own behind `rackserve proxy`, runs the decode-only and the mixed phase, stops
-everything, and records ITLs, the ratio the goal is about and the binding (the colocated setup is
-the same code path with one instance; left out to keep the test short). Pins that the benchmark
-runs and reports, never its figures."""
+CPUs of their own, the long prompts behind `rackserve proxy`, runs the decode-only and the mixed
+phase, stops everything, and records ITLs, the decoder's load, the ratio the goal is about and the
+binding (the colocated setup is the same code path with one instance; left out to keep the test
+short). Pins that the benchmark runs and reports, and that the decode lanes reach the decoder
+without the prefiller (no KV moves in the decode-only phase) while the long prompts' KV is pulled,
+never its figures."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,10 @@ def test_bench_pd_itl_runs_disaggregated_and_records_the_goal(tiny_llama_dir, tm
     for (setup, phase), row in rows.items():
         assert row["itl_count"] > 1 and 0 < row["itl_p50_ms"] <= row["itl_p90_ms"] <= row["itl_p99_ms"] <= row["itl_max_ms"]
         assert (row["long_prompts"] > 0) == (phase == "mixed")
+        assert row["lane_streams"] > 0 and 0 < row["lane_concurrency"] <= 2   # the default two lanes
+        assert 0 <= row["decoder_running_mean"] <= row["decoder_running_max"] and row["decoder_generation_tokens"] > 0
+        assert (row["decoder_kv_transfer_blocks"] > 0) == (row["decoder_external_prefix_cache_hits"] > 0) \
+            == (phase == "mixed")
     ratio = rows[("pd", "mixed")]["itl_p90_ms"] / rows[("pd", "decode-only")]["itl_p90_ms"]
     assert abs(result["p90_itl_mixed_over_decode_only"]["pd"] - ratio) < 1e-9
     assert result["goal_met"]["pd"] == (ratio <= result["goal"])

@@ -1,13 +1,14 @@
 """`rackserve bench pd-itl`: the decode-latency goal of prefill/decode disaggregation, measured on
-its own. Decode lanes stream short-prompt completions back to back; the decoder's inter-token
-latency (ITL: the gaps between a stream's chunks after its first) is measured once with only
-those lanes running ("decode-only") and once while long prompts arrive at a fixed interval
-("mixed"). The same two phases run, in the same invocation and with the same threads per
-instance, against 1 prefill + 1 decode instance behind `rackserve proxy` ("pd") and against one
-colocated instance ("colocated"). The goal (issue 8): the decoder's P90 ITL under mixed load
-within 1.5x of its decode-only P90 ITL. `--prefill-cpus`/`--decode-cpus` give the prefiller and the
-decoder cores of their own (the CPU analog of their own devices); the colocated instance then gets
-both sets. The proxy and the load generator are not bound.
+its own. Decode lanes stream short-prompt completions back to back, straight to the instance that
+decodes; its inter-token latency (ITL: the gaps between a stream's chunks after its first) is
+measured once with only those lanes running ("decode-only") and once while long prompts arrive at
+a fixed interval ("mixed"); bench/pd_itl_load.py runs a phase and says why the lanes bypass the
+prefiller (the decoder gets the same decode load in both phases). The same two phases run, in the
+same invocation, against 1 prefill + 1 decode instance, the long prompts behind `rackserve proxy`
+("pd"), and against one colocated instance ("colocated"). The goal (issue 8): the decoder's P90 ITL
+under mixed load within 1.5x of its decode-only P90 ITL. `--prefill-cpus`/`--decode-cpus` give
+the prefiller and the decoder cores of their own (the CPU analog of their own devices); the
+colocated instance then gets both sets. The proxy and the load generator are not bound.
 
 This file starts and stops the instances it measures and measures only; it never serves.
 """
@@ -18,14 +19,13 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-from rackserve.router.cluster import stop_instances, wait_healthy
+from rackserve.bench.pd_itl_load import run_phase
 from rackserve.bench.record import write_record
+from rackserve.router.cluster import stop_instances, wait_healthy
 from rackserve.serve.cli import register_subcommand
 
 GOAL = 1.5
@@ -61,14 +61,15 @@ def colocated_binding(args: argparse.Namespace) -> tuple[str | None, int]:
     return format_cpu_list(cpus), len(cpus)
 
 
-def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[list[subprocess.Popen], str]:
-    """The setup's processes (front last) and the URL the load goes to."""
+def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[list[subprocess.Popen], str, str]:
+    """The setup's processes (front last), the URL of the instance that decodes (the decode lanes
+    go there, pd_itl_load.py says why) and the URL the long prompts go to."""
     engine = ["serve", "--model", args.model, "--max-model-len", str(args.max_model_len), *args.engine_args.split()]
     if setup == "colocated":
         cpus, threads = colocated_binding(args)
         proc, url = _start(engine + bind_flags(cpus), threads, log_dir, "colocated")
         _wait_healthy([proc], [url])
-        return [proc], url
+        return [proc], url, url
     procs, urls = [], []
     for role, name, cpus in (("kv_producer", "prefill", args.prefill_cpus), ("kv_consumer", "decode", args.decode_cpus)):
         config = {"kv_connector": "MooncakeConnector", "kv_role": role}
@@ -80,66 +81,7 @@ def start_setup(setup: str, args: argparse.Namespace, log_dir: str) -> tuple[lis
     proxy, url = _start(["proxy", "--prefill", urls[0], "--decode", urls[1]], 1, log_dir, "proxy")
     procs.append(proxy)
     _wait_healthy([proxy], [url])
-    return procs, url
-
-
-async def _stream(http, url: str, model: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Chunk arrival times of one streamed completion."""
-    times = []
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0.0}
-    async with http.stream("POST", url + "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                times.append(time.perf_counter())
-    return times
-
-
-async def run_phase(url: str, model: str, args: argparse.Namespace, mixed: bool, rng: random.Random) -> dict:
-    """Decode lanes for args.duration seconds (plus long prompts when `mixed`): their ITLs."""
-    import httpx
-    itls: list[float] = []
-    long_done: list[float] = []
-    end = time.perf_counter() + args.duration
-
-    def prompt(n: int) -> list[int]:   # fresh tokens: no prefix hit anywhere
-        return [rng.randrange(100, args.max_token_id) for _ in range(n)]
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as http:
-        async def lane() -> None:
-            while time.perf_counter() < end:
-                times = await _stream(http, url, model, prompt(args.decode_prompt_tokens), args.decode_tokens)
-                # Every gap of a stream started in the phase, those after its end too: a stall
-                # that straddles the end still counts.
-                itls.extend(b - a for a, b in zip(times[1:], times[2:]))
-
-        async def long_prompt() -> None:
-            start = time.perf_counter()
-            reply = await http.post(url + "/v1/completions", json={
-                "model": model, "prompt": prompt(args.long_prompt_tokens), "max_tokens": args.long_output_tokens,
-                "ignore_eos": True, "temperature": 0.0})
-            reply.raise_for_status()
-            long_done.append(time.perf_counter() - start)
-
-        async def arrivals() -> list[asyncio.Task]:
-            tasks = []
-            while mixed and time.perf_counter() < end:
-                tasks.append(asyncio.create_task(long_prompt()))
-                await asyncio.sleep(args.long_interval)
-            return tasks
-
-        results = await asyncio.gather(arrivals(), *[lane() for _ in range(args.decode_lanes)])
-        await asyncio.gather(*results[0])
-    if len(itls) < 2:
-        raise RuntimeError(f"only {len(itls)} ITLs in {args.duration} s: lengthen --duration")
-    q = statistics.quantiles(itls, n=100, method="inclusive")   # as bench serve (np.percentile): never past the max
-    return {"phase": "mixed" if mixed else "decode-only", "itl_count": len(itls),
-            "itl_p50_ms": statistics.median(itls) * 1e3, "itl_p90_ms": q[89] * 1e3,
-            # Stalls rarer than one gap in ten (a long prompt's prefill beside decodes) show here only.
-            "itl_p99_ms": q[98] * 1e3, "itl_max_ms": max(itls) * 1e3,
-            "long_prompts": len(long_done),
-            "long_latency_p50_s": statistics.median(long_done) if long_done else None}
+    return procs, urls[1], url
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -147,14 +89,15 @@ def run(args: argparse.Namespace) -> dict:
     log_dir = tempfile.mkdtemp(prefix="rackserve-pd-itl-")
     rows = []
     for setup in args.setups.split(","):
-        procs, url = start_setup(setup, args, log_dir)
+        procs, lane_url, long_url = start_setup(setup, args, log_dir)
         try:
             import httpx
-            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            model = httpx.get(lane_url + "/v1/models", timeout=10).json()["data"][0]["id"]
             rng = random.Random(args.seed)
-            asyncio.run(run_phase(url, model, argparse.Namespace(**{**vars(args), "duration": 3.0}), False, rng))
+            warm_up = argparse.Namespace(**{**vars(args), "duration": min(3.0, args.duration)})
+            asyncio.run(run_phase(lane_url, long_url, model, warm_up, False, rng))
             for mixed in (False, True):
-                row = {"setup": setup, **asyncio.run(run_phase(url, model, args, mixed, rng))}
+                row = {"setup": setup, **asyncio.run(run_phase(lane_url, long_url, model, args, mixed, rng))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -196,10 +139,12 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
                      "colocated (the disaggregation goal)", _add_args)
 def _bench_pd_itl(args: argparse.Namespace) -> int:
     result = run(args)
-    print(f"{'setup':>10} {'phase':>12} {'ITL P50 ms':>10} {'ITL P90 ms':>10} {'ITLs':>6} {'long':>5}")
-    for r in result["rows"]:
+    print(f"{'setup':>10} {'phase':>12} {'ITL P50 ms':>10} {'ITL P90 ms':>10} {'ITLs':>6} {'lanes':>6} "
+          f"{'running':>7} {'long':>5}")
+    for r in result["rows"]:   # lanes: streams decoding at once; running: the decoder's mean batch
         print(f"{r['setup']:>10} {r['phase']:>12} {r['itl_p50_ms']:>10.1f} {r['itl_p90_ms']:>10.1f} "
-              f"{r['itl_count']:>6} {r['long_prompts']:>5}")
+              f"{r['itl_count']:>6} {r['lane_concurrency']:>6.2f} {r['decoder_running_mean']:>7.2f} "
+              f"{r['long_prompts']:>5}")
     for setup, ratio in result["p90_itl_mixed_over_decode_only"].items():
         print(f"{setup}: P90 ITL mixed / decode-only = {ratio:.2f} (goal <= {GOAL}: "
               f"{'met' if ratio <= GOAL else 'not met'})")
