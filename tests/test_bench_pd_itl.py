@@ -7,8 +7,10 @@ without the prefiller (no KV moves in the decode-only phase) while the long prom
 never its figures."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -19,11 +21,19 @@ def test_bench_pd_itl_runs_disaggregated_and_records_the_goal(tiny_llama_dir, tm
     cpus = sorted(os.sched_getaffinity(0))
     prefill, decode = str(cpus[0]), str(cpus[-1])
     out = tmp_path / "pd-itl.json"
-    subprocess.run([sys.executable, "-m", "rackserve", "bench", "pd-itl", "--model", tiny_llama_dir,
-                    "--max-model-len", "256", "--setups", "pd", "--engine-args", "--dtype float32 --device cpu",
-                    "--prefill-cpus", prefill, "--decode-cpus", decode, "--duration", "2",
-                    "--decode-tokens", "8", "--long-prompt-tokens", "96", "--long-output-tokens", "2",
-                    "--long-interval", "0.5", "--max-token-id", "500", "--output", str(out)], check=True, timeout=300)
+    # Its own session: a bench that fails or times out takes the instances it started with it.
+    bench = subprocess.Popen([sys.executable, "-m", "rackserve", "bench", "pd-itl", "--model", tiny_llama_dir,
+                              "--max-model-len", "256", "--setups", "pd",
+                              "--engine-args", "--dtype float32 --device cpu",
+                              "--prefill-cpus", prefill, "--decode-cpus", decode, "--duration", "2",
+                              "--decode-tokens", "8", "--long-prompt-tokens", "96", "--long-output-tokens", "2",
+                              "--long-interval", "0.5", "--max-token-id", "500", "--output", str(out)],
+                             start_new_session=True)
+    try:
+        assert bench.wait(timeout=300) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(bench.pid, signal.SIGKILL)
     result = json.loads(out.read_text())
     rows = {(r["setup"], r["phase"]): r for r in result["rows"]}
     assert set(rows) == {("pd", "decode-only"), ("pd", "mixed")}
