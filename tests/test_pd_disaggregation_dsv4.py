@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -38,13 +39,14 @@ def test_deepseek_v4_through_the_proxy_matches_one_instance(tiny_deepseek_v4_kv_
             "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--block-size", "4"]
     procs = []
     try:
-        prefill, prefill_url = start_server(base + ["--max-num-batched-tokens", "8", "--no-enable-prefix-caching",
-                                                    "--kv-transfer-config", _kv_config("kv_producer")],
-                                            tmp_path / "prefill.log")
-        procs.append(prefill)
-        decode, decode_url = start_server(base + ["--kv-transfer-config", _kv_config("kv_consumer")],
-                                          tmp_path / "decode.log")
-        procs.append(decode)
+        roles = {"prefill": ["--max-num-batched-tokens", "8", "--no-enable-prefix-caching",
+                             "--kv-transfer-config", _kv_config("kv_producer")],
+                 "decode": ["--kv-transfer-config", _kv_config("kv_consumer")]}
+        with ThreadPoolExecutor(2) as pool:   # both start at once: a core each
+            started = [pool.submit(start_server, base + flags, tmp_path / f"{name}.log")
+                       for name, flags in roles.items()]
+        procs += [f.result()[0] for f in started if f.exception() is None]
+        (_, prefill_url), (_, decode_url) = (f.result() for f in started)
         proxy, proxy_url = start_command(["proxy", "--prefill", prefill_url, "--decode", decode_url,
                                           "--uvicorn-log-level", "warning"], tmp_path / "proxy.log", timeout=60)
         procs.append(proxy)
