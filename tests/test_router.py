@@ -178,6 +178,24 @@ def test_token_ids_forwarded_by_the_router_answer_exactly_as_the_instance_does(c
         assert _answers(cluster.url, path, body) == want, path
 
 
+def test_the_router_learns_each_instances_prices_from_its_streams(cluster):
+    """Streamed answers with usage teach the kv policy what prefill and decode cost (TTFT against
+    prefill ahead, ITL against active blocks); /router shows each worker's learned price."""
+    c = client(cluster.url)
+
+    def stream(i: int) -> None:
+        for _ in c.completions.create(model=MODEL, prompt=f"{i} " + "prices are learned " * (2 + i), max_tokens=6,
+                                      stream=True, stream_options={"include_usage": True}, **GREEDY):
+            pass
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(stream, range(10)))
+    workers = [w for i in httpx.get(f"{cluster.url}/router").json()["instances"] for w in i["workers"]]
+    for worker in workers:
+        price = worker["price"]
+        assert price is not None and 6.0 <= price["output_tokens"] <= 12.0, worker   # this test's and earlier streams
+        assert price["first_token_s"] + price["prefill_s_per_block"] > 0 and price["step_s"] > 0, price
+
+
 def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
     """Prefixes cached before this router existed still draw their requests (replay socket)."""
     prompt = "Session late: " + "a prefix hit skips work already done " * 12

@@ -152,6 +152,7 @@ def test_the_router_hashes_a_cache_salt_as_the_instances_do():
 
 def test_bench_router_runs_kv_once_per_overlap_weight():
     from rackserve.bench.router_bench import policy_runs
+    assert policy_runs("kv", "measured") == [("kv", ["--policy", "kv"])]   # the router's learned prices
     assert policy_runs("kv,prefix", "1,4") == [
         ("kv@1", ["--policy", "kv", "--overlap-weight", "1"]), ("kv@4", ["--policy", "kv", "--overlap-weight", "4"]),
         ("prefix", ["--policy", "prefix"])]

@@ -43,8 +43,9 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-blocks", type=int, default=200_000, help="blocks in the index, overhead part")
     parser.add_argument("--output", default=None, help="write the results JSON here")
     parser.add_argument("--health-interval", type=float, default=1.0)
-    parser.add_argument("--overlap-weight", default="1.0",
-                        help="kv policy's overlap weight; comma-separated for one kv run per weight (kv@W)")
+    parser.add_argument("--overlap-weight", default="measured",
+                        help="kv policy's overlap weight (measured: priced in learned seconds, the router's "
+                             "default); comma-separated for one kv run per weight (kv@W)")
     parser.add_argument("--router-args", default="", help="more `rackserve router` flags, as one string")
 
 
@@ -81,7 +82,7 @@ worker had cached for the requests routed there, and requests moved off their ca
 
 def policy_runs(policies: str, overlap_weights: str) -> list[tuple[str, list[str]]]:
     """(label, router flags) per run: each policy once, kv once per overlap weight (kv@W when
-    there are several)."""
+    there are several; `measured` passes no weight: the router's learned prices)."""
     weights = overlap_weights.split(",")
     runs = []
     for policy in policies.split(","):
@@ -89,7 +90,8 @@ def policy_runs(policies: str, overlap_weights: str) -> list[tuple[str, list[str
             runs.append((policy, ["--policy", policy]))
             continue
         for w in weights:
-            runs.append((f"kv@{w}" if len(weights) > 1 else "kv", ["--policy", "kv", "--overlap-weight", w]))
+            weight = [] if w == "measured" else ["--overlap-weight", w]
+            runs.append((f"kv@{w}" if len(weights) > 1 else "kv", ["--policy", "kv", *weight]))
     return runs
 
 
@@ -105,7 +107,8 @@ def run_policies(args: argparse.Namespace, urls: list[str], tokenizer: str) -> l
                            *args.bench_args.split())
                 subprocess.run(cmd, check=False)
                 summary = json.loads(Path(out.name).read_text())["runs"][0]["summary"]
-            runs.append({"policy": label, "router_flags": flags, "summary": summary, "routed": _routed(url)})
+            runs.append({"policy": label, "router_flags": flags, "summary": summary, "routed": _routed(url),
+                         "pool": httpx.get(f"{url}/router").json()})   # with each worker's learned price
         finally:
             proc.terminate()
             proc.wait(timeout=30)

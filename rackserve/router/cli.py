@@ -19,8 +19,10 @@ def add_router_policy_args(parser: argparse.ArgumentParser, flag: str = "--polic
     parser.add_argument(flag, default="kv", choices=POLICIES,
                         help="kv: least uncached prefill + active blocks (Dynamo); prefix: SGLang's "
                              "cache-aware rule; least_load; round_robin")
-    parser.add_argument("--overlap-weight", type=float, default=1.0,
-                        help="kv policy: weight of uncached prefill blocks against active blocks")
+    parser.add_argument("--overlap-weight", type=float, default=None,
+                        help="kv policy: Dynamo's rule in blocks, this weight on uncached prefill blocks against "
+                             "active blocks; unset: both priced in seconds learned from each instance's streams "
+                             "(the request's predicted end-to-end time; weight 1 until learned)")
     parser.add_argument("--router-temperature", type=float, default=0.0,
                         help="kv policy: 0 takes the lowest cost; > 0 samples, softmax over -cost/T")
 
@@ -75,7 +77,8 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
 
     from rackserve.router.policies import create_policy
     from rackserve.router.router import Router
-    from rackserve.router.server import RouterFront, build_router_app
+    from rackserve.router.app import build_router_app
+    from rackserve.router.server import RouterFront
 
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
                     args.health_timeout, args.worker_api_key, prefill, decode, args.pd_threshold_tokens)

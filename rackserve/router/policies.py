@@ -2,13 +2,15 @@
 worker (an instance and DP rank) for a request from the index of what workers cache and the
 router's predicted loads.
 
-- kv (default), Dynamo's rule: cost = overlap_weight * prefill blocks + decode blocks, where
-  prefill blocks = the request's uncached blocks + the worker's queued prefill (uncached prompt
-  tokens / block size of its requests before their first token) and decode blocks = the worker's
-  active blocks (distinct prompt blocks of its unfinished requests) + the request's blocks not
-  among them (Dynamo's potential blocks: the load the worker would carry if it took the request);
-  lowest cost wins, ties go to the worker with the smaller index, then at random. A temperature
-  > 0 samples with p ~ exp(-normalised cost / T) instead.
+- kv (default), Dynamo's terms: prefill blocks = the request's uncached blocks + the worker's
+  queued prefill (uncached prompt tokens / block size of its requests before their first token)
+  and decode blocks = the worker's active blocks (distinct prompt blocks of its unfinished
+  requests) + the request's blocks not among them (Dynamo's potential blocks: the load the worker
+  would carry if it took the request). Priced, by default, in seconds: the request's predicted
+  end-to-end time on the worker from the prices the router learned (pricing.py); with an
+  `overlap_weight` (or before any price is learned, weight 1), Dynamo's rule in blocks:
+  overlap_weight * prefill blocks + decode blocks. Lowest cost wins, ties go to the worker with
+  the smaller index, then at random. A temperature > 0 samples with p ~ exp(-normalised cost / T).
 - prefix, SGLang's cache-aware rule over an approximate per-worker LRU of the blocks routed there.
 - least_load (fewest active requests) and round_robin: the baselines `kv` is measured against.
 - DecodeLoadPolicy (no --policy name): how the router picks decode workers when it has P/D pools.
@@ -28,6 +30,7 @@ from typing import Callable, NamedTuple
 
 from rackserve.router.index import KVIndex, WorkerKey
 from rackserve.router.load import ActiveLoads
+from rackserve.router.pricing import Price
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +71,28 @@ def create_policy(name: str, **options) -> RoutingPolicy:
 class KvPolicy(RoutingPolicy):
     name = "kv"
 
-    def __init__(self, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int | None = None) -> None:
+    def __init__(self, overlap_weight: float | None = None, temperature: float = 0.0,
+                 seed: int | None = None) -> None:
+        """`overlap_weight` None: price in learned seconds (Dynamo's weight 1 until learned)."""
         super().__init__(seed)
         self.overlap_weight, self.temperature = overlap_weight, temperature
+
+    def prices(self, workers: Sequence[WorkerKey], loads: ActiveLoads) -> list[Price] | None:
+        """Every worker's learned price, or None (the block rule) if a weight was given or some
+        worker has no price yet: costs are compared, so they must all be in the same unit."""
+        if self.overlap_weight is not None:
+            return None
+        prices = [loads.price(w) for w in workers]
+        return None if None in prices else prices
 
     def costs(self, hashes: Sequence[int], workers: Sequence[WorkerKey], index: KVIndex,
               loads: ActiveLoads) -> tuple[list[float], dict[WorkerKey, int]]:
         overlaps = index.overlaps(hashes)
+        prices, weight = self.prices(workers, loads), self.overlap_weight or 1.0
         costs = []
-        for worker in workers:
+        for i, worker in enumerate(workers):
             prefill, decode = self.terms(hashes, worker, overlaps, loads)
-            costs.append(self.overlap_weight * prefill + decode)
+            costs.append(prices[i].seconds(prefill, decode) if prices else weight * prefill + decode)
         return costs, overlaps
 
     @staticmethod
@@ -109,9 +123,11 @@ class KvPolicy(RoutingPolicy):
     def _log_moved(self, hashes, workers, overlaps, loads, costs, chosen) -> None:
         """One JSON line per request sent off the worker caching most of its prompt, with every
         candidate's cost terms (Dynamo logs its formula per worker the same way, at debug)."""
+        prices = self.prices(workers, loads) or [None] * len(workers)
         terms = [{"worker": f"{w.url}#{w.dp_rank}", "cost": c, "cached_blocks": overlaps.get(w, 0),
                   "uncached_blocks": len(hashes) - overlaps.get(w, 0), "new_blocks": loads.new_blocks(w, hashes),
-                  **vars(loads.get(w))} for w, c in zip(workers, costs)]
+                  **vars(loads.get(w)), **({"price": vars(p)} if p else {})}
+                 for w, c, p in zip(workers, costs, prices)]
         logger.debug("kv moved off cache: %s", json.dumps(
             {"prompt_blocks": len(hashes), "chosen": f"{chosen.url}#{chosen.dp_rank}", "workers": terms}))
 

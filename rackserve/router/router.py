@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 from urllib.parse import urlparse
@@ -68,7 +69,7 @@ class Router:
         # when at least this many of its prompt tokens are not cached on its decode worker.
         self.decode_policy = DecodeLoadPolicy(seed=None)
         self.pd_threshold_tokens = pd_threshold_tokens
-        self.loads = ActiveLoads()
+        self.loads = ActiveLoads(clock=time.monotonic)   # timed: the kv policy's prices learn from it
         self.metrics = RouterMetrics(policy.name)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.block_size: int | None = None

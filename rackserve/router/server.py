@@ -8,8 +8,9 @@ pools, disagg.py orders the hops. A request that got no token yet (the instance 
 answers 5xx or 429, or leaves the pool) is retried on the next best instance; a stream that
 already started ends with an OpenAI error event and [DONE]; other instance errors (4xx) pass
 through as they are; with no instance left the client gets a 503; a client that leaves closes
-the connection to its instance, which aborts the request. This file never picks a worker itself
-and never touches the index.
+the connection to its instance, which aborts the request (app.py, the HTTP face, cancels the
+forward when the client leaves). This file never picks a worker itself and never touches the
+index.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 import aiohttp
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
@@ -31,7 +31,7 @@ from rackserve.router.load import uncached_prefill_blocks
 from rackserve.router.policies import RoutingPolicy
 from rackserve.router.prompts import render
 from rackserve.router.router import Instance, Route, Router
-from rackserve.serve.serving_engine import SSE_DONE, OpenAIError, wait_for_disconnect
+from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first", as serve/ answers
@@ -57,7 +57,7 @@ class RouterFront:
             body = parse_body(raw)
             self._check_fits(path, body)
         except OpenAIError as e:
-            return _error(e)
+            return error_response(e)
         token_ids, body = await asyncio.to_thread(render, self.tokenizer, path, body)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         if self.router.disaggregated:
@@ -77,7 +77,7 @@ class RouterFront:
             decision = first or self.router.route(token_ids, tried, salt, roles, policy)
             first = None
             if decision is None:
-                return last_error or _error(OpenAIError("no instance is available", 503, type="server_error"))
+                return last_error or error_response(OpenAIError("no instance is available", 503, type="server_error"))
             if tried:
                 self.router.metrics.retries.inc()
             worker = decision.worker
@@ -135,7 +135,7 @@ class RouterFront:
 
     async def _stream(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
                       request_id: str) -> AsyncIterator[bytes]:
-        url, ended = instance.url, False
+        url, ended, output_tokens = instance.url, False, None
         try:
             yield first
             while True:
@@ -144,7 +144,7 @@ class RouterFront:
                     ended = True
                     break
                 if b'"usage"' in event:
-                    self._count_usage(url, event.split(b"data:", 1)[-1])
+                    output_tokens = self._count_usage(url, event.split(b"data:", 1)[-1]).get("completion_tokens")
                 yield event
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
             body = OpenAIError(f"the instance failed mid-stream: {e!r}", 502, type="server_error").body()
@@ -156,15 +156,18 @@ class RouterFront:
                 resp.release()
             else:
                 resp.close()
-            self.router.loads.finish(request_id)
+            # A stream read whole with its usage is an ITL to learn the instance's prices from.
+            self.router.loads.finish(request_id, output_tokens if ended else None)
 
-    def _count_usage(self, url: str, data: bytes) -> None:
+    def _count_usage(self, url: str, data: bytes) -> dict:
+        """The answer's usage (empty if it has none), its cached tokens counted."""
         try:
             usage = json.loads(data).get("usage") or {}
-        except ValueError:
-            return
+        except (ValueError, AttributeError):
+            return {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         self.router.metrics.actual_cached.labels(url).inc(cached)
+        return usage
 
 
 async def _unless_gone(instance: Instance, work: Awaitable[Any]) -> Any:
@@ -196,69 +199,5 @@ async def _read_event(resp: aiohttp.ClientResponse) -> bytes:
             return b"".join(lines)
 
 
-def _error(e: OpenAIError) -> JSONResponse:
+def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
-
-
-def build_router_app(front: RouterFront) -> FastAPI:
-    router = front.router
-    app = FastAPI(title="rackserve router")
-
-    async def respond(raw: Request, path: str) -> Response:
-        """The forwarded answer, unless the client leaves first: then the forward is cancelled,
-        which closes the connection to the instance, which aborts the request there."""
-        task = asyncio.ensure_future(front.forward(path, await raw.body()))
-        watcher = asyncio.ensure_future(wait_for_disconnect(raw))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})
-        if task.cancelled():
-            router.metrics.client_disconnects.inc()
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return task.result()
-
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await respond(raw, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(raw: Request) -> Response:
-        return await respond(raw, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        for instance in router.healthy:
-            try:
-                async with router.session.get(f"{instance.url}/v1/models") as resp:
-                    return Response(await resp.read(), status_code=resp.status, media_type=resp.content_type)
-            except aiohttp.ClientError:
-                continue
-        return _error(OpenAIError("no instance is available", 503, type="server_error"))
-
-    @app.get("/health")
-    async def health() -> Response:
-        if router.healthy:
-            return Response(status_code=200)
-        return _error(OpenAIError("no instance is available", 503, type="server_error"))
-
-    @app.get("/router")
-    async def state() -> dict[str, Any]:
-        """The pool as the router sees it: health, DP ranks, index size and predicted load."""
-        return {"policy": router.policy.name, "instances": [_describe(router, i) for i in router.instances.values()]}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        router.metrics.index_blocks.set(router.index.num_blocks())
-        return Response(router.metrics.exposition(), media_type=router.metrics.content_type)
-
-    return app
-
-
-def _describe(router: Router, instance: Instance) -> dict[str, Any]:
-    return {"url": instance.url, "healthy": instance.healthy,
-            "workers": [{"dp_rank": w.dp_rank, "index_blocks": router.index.num_blocks(w),
-                         **vars(router.loads.get(w))} for w in instance.workers]}
