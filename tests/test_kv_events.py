@@ -62,6 +62,26 @@ class VKVEventBatch(VEventBatch):
 
 vllm_decoder = msgspec.msgpack.Decoder(type=VKVEventBatch)
 
+
+# vLLM's later schema: the fields hybrid (multi-group) caches use, in its order.
+class VGroupBlockStored(VBlockStored, tag="BlockStored"):
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class VGroupBlockRemoved(VBlockRemoved, tag="BlockRemoved"):
+    group_idx: int | None = None
+
+
+class VGroupKVEventBatch(VEventBatch):
+    events: list[VGroupBlockStored | VGroupBlockRemoved | VAllBlocksCleared]
+
+
+vllm_group_decoder = msgspec.msgpack.Decoder(type=VGroupKVEventBatch)
+
 BS = 4
 
 
@@ -70,8 +90,9 @@ def test_wire_format_is_vllms():
     payload = encode_batch(123.5, events, 1)
     # Untyped: an array [ts, events, dp_rank], each event an array opening with its tag.
     raw = msgspec.msgpack.decode(payload)
-    assert raw == [123.5, [["BlockStored", [11, 2**64 - 1], None, list(range(8)), BS, None, "GPU"],
-                           ["BlockRemoved", [11], "GPU"], ["AllBlocksCleared"]], 1]
+    assert raw == [123.5, [["BlockStored", [11, 2**64 - 1], None, list(range(8)), BS, None, "GPU",
+                            None, None, None, None, None],     # lora_name .. kv_cache_spec_sliding_window
+                           ["BlockRemoved", [11], "GPU", None], ["AllBlocksCleared"]], 1]
     batch = vllm_decoder.decode(payload)
     assert batch.ts == 123.5 and batch.data_parallel_rank == 1
     stored, removed, cleared = batch.events
@@ -259,3 +280,43 @@ def test_dp_rank_k_publishes_on_port_plus_k():
     finally:
         sub.close()
         publisher.shutdown()
+
+
+def test_a_multi_group_cache_sends_each_groups_events_and_the_index_finds_its_hits():
+    """DeepSeek-V4's cache (a sliding group, then compressed groups of 1 and 4 engine blocks a
+    block): each prefix-cached group's stores and evictions go out with its group_idx, vLLM's
+    decoders of both schemas read them, replaying them rebuilds each group's cached set, and the
+    index's overlap is the hit the instance finds (cut group by group to whole blocks)."""
+    from rackserve.core.hybrid_kv_cache_manager import HybridHit, HybridKVCacheManager
+    from tests.test_core_kv_cache_groups import BS as GBS, config as groups_config, request, step
+    kv = HybridKVCacheManager(groups_config(num_blocks=40), GBS, enable_kv_cache_events=True)
+    index, worker = KVIndex(block_size=GBS), WorkerKey("i", 0)
+    rng = random.Random(2)
+    prefixes = [[rng.randrange(100) for _ in range(rng.randrange(20, 90))] for _ in range(4)]
+    hits = 0
+    for n in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 9))]
+        req = request(f"r{n}", prompt)
+        hit = kv.get_computed_blocks(req)
+        if isinstance(hit, HybridHit):
+            hits += 1
+            assert index.overlaps(block_hashes(prompt[:-1], GBS)).get(worker, 0) * GBS == hit.num_hit_tokens
+            step(kv, req, req.num_tokens - hit.num_tokens, hit)
+        else:
+            step(kv, req, req.num_tokens)
+        kv.free(req)
+        events = kv.take_events()
+        assert {e.group_idx for e in events} <= {1, 2}    # the sliding group caches nothing to tell
+        payload = encode_batch(0.0, events, 0)
+        assert len(vllm_decoder.decode(payload).events) == len(events)    # the older schema skips the rest
+        for sent, read in zip(events, vllm_group_decoder.decode(payload).events):
+            assert read.group_idx == sent.group_idx and read.block_hashes == sent.block_hashes
+        for event in decode_batch(payload).events:
+            index.apply(worker, event)
+        for group in (1, 2):
+            assert index.groups[worker][group] == (kv.groups[group].block_size // GBS, set(kv.pools[group].cached))
+    assert hits > 5 and sum(p.num_evictions for p in kv.pools) > 0
+    kv.check_integrity()
+    assert index.num_blocks(worker) == len(kv.pools[1].cached) + len(kv.pools[2].cached)
+    index.remove_worker(worker)      # it left the pool
+    assert index.num_blocks() == 0 and not index.overlaps(block_hashes(prefixes[0], GBS))

@@ -15,13 +15,14 @@ Same surface as KVCacheManager, except that block ids come per group. Never impo
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from rackserve.core.block_pool import BlockPool, KVBlock
 from rackserve.core.hashing import extend_block_hashes
 from rackserve.core.kv_cache_groups import KVCacheConfig
 from rackserve.core.kv_cache_manager import NO_HIT, PrefixHit, cdiv
-from rackserve.core.kv_events import KVCacheEvent
+from rackserve.core.kv_events import AllBlocksCleared, KVCacheEvent
 from rackserve.core.request import Request
 
 
@@ -32,12 +33,16 @@ class HybridHit(NamedTuple):
 
 
 class HybridKVCacheManager:
-    def __init__(self, kv_config: KVCacheConfig, block_size: int, enable_caching: bool = True, hash_seed: int = 0):
+    def __init__(self, kv_config: KVCacheConfig, block_size: int, enable_caching: bool = True, hash_seed: int = 0,
+                 enable_kv_cache_events: bool = False):
         for g in kv_config.groups:
             assert g.block_size % block_size == 0, f"group {g.name}: blocks of {g.block_size} tokens"
         self.kv_config, self.groups = kv_config, kv_config.groups
         self.block_size, self.enable_caching, self.hash_seed = block_size, enable_caching, hash_seed
-        self.pools = [BlockPool(g.num_blocks, enable_caching and not g.sliding_window) for g in self.groups]
+        # Each prefix-cached group's pool tells its own stores and evictions (the sliding group's
+        # blocks are never found by hash, so it has none to tell).
+        self.pools = [BlockPool(g.num_blocks, enable_caching and not g.sliding_window, enable_kv_cache_events)
+                      for g in self.groups]
         self.req_to_blocks: dict[str, list[list[KVBlock | None]]] = {}
         self.num_cached_blocks: dict[str, list[int]] = {}   # per group: leading blocks registered
         self.num_hit_blocks: dict[str, tuple[int, ...]] = {}   # per group: blocks from the prefix cache
@@ -139,7 +144,6 @@ class HybridKVCacheManager:
                         # A free copy computed earlier: this one takes the name, so that the prefix a
                         # hit needs whole is not lost to the LRU piece by piece (old twins go first).
                         pool.uncache(twin)
-                # KV events name engine blocks; a compressed group's blocks are coarser, so it sends none.
                 pool.cache_blocks(table, hashes, cached[i], num_full, request.all_token_ids, group.block_size)
                 cached[i] = num_full
 
@@ -151,7 +155,13 @@ class HybridKVCacheManager:
             pool.free_blocks(b for b in reversed(table) if b is not None)
 
     def take_events(self) -> list[KVCacheEvent]:
-        return []
+        """Each group's events, tagged with the group's index (vLLM's group_idx): a group's block
+        of k engine blocks is named by the hash of the engine block that ends it, so a consumer
+        holding the engine-block hashes of a prompt finds the group's blocks at every k-th."""
+        events: list[KVCacheEvent] = []
+        for i, pool in enumerate(self.pools):
+            events += [e if isinstance(e, AllBlocksCleared) else replace(e, group_idx=i) for e in pool.take_events()]
+        return events
 
     def block_ids(self, request: Request) -> tuple[list[int], ...]:
         """Each group's table; block 0 where the sliding group gave its block back."""

@@ -4,7 +4,9 @@ One event per store (a run of blocks newly findable under their hashes), per evi
 that loses its hash) and per reset (everything forgotten). The fields are vLLM's
 (vllm/distributed/kv_events.py), so the engine can put them on the wire as they are and a
 consumer can rebuild the cache's chains: a BlockStored names the parent of its first block and
-carries the blocks' token ids. This file owns these plain containers only: it never encodes,
+carries the blocks' token ids. A model whose cache comes in several groups (DeepSeek-V4) sends
+each prefix-cached group's events apart, with the group's index (`group_idx`) and its own block
+size, as vLLM does for hybrid caches. This file owns these plain containers only: it never encodes,
 sends or imports anything above core/.
 """
 from __future__ import annotations
@@ -22,12 +24,14 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    group_idx: int | None = None        # the cache group (None: the model has one)
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = MEDIUM_GPU
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)

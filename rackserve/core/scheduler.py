@@ -54,11 +54,8 @@ class Scheduler:
         kv_events = config.kv_events is not None and config.kv_events.enable_kv_cache_events
         self.kv = KVCacheManager(num_kv_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  enable_kv_cache_events=kv_events) if kv_cache_config is None else \
-            HybridKVCacheManager(kv_cache_config, self.block_size, config.cache.enable_prefix_caching)
-        if kv_cache_config is not None and kv_events:
-            names = ", ".join(g.name for g in kv_cache_config.groups)
-            raise ValueError(f"KV events name blocks of one cache group; this model's cache has "
-                             f"{len(kv_cache_config.groups)} ({names}): run it without --kv-events-config")
+            HybridKVCacheManager(kv_cache_config, self.block_size, config.cache.enable_prefix_caching,
+                                 enable_kv_cache_events=kv_events)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

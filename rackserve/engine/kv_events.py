@@ -35,11 +35,20 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    # vLLM's later fields, in its order (a consumer that knows fewer skips the trailing ones:
+    # msgspec's array_like rule). group_idx names a multi-group model's cache group; the others
+    # are sent empty, as vLLM sends what it does not use.
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -57,9 +66,9 @@ _decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 def to_wire(event: core.KVCacheEvent) -> KVCacheEvent:
     if isinstance(event, core.BlockStored):
         return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                           event.lora_id, event.medium)
+                           event.lora_id, event.medium, group_idx=event.group_idx)
     if isinstance(event, core.BlockRemoved):
-        return BlockRemoved(event.block_hashes, event.medium)
+        return BlockRemoved(event.block_hashes, event.medium, event.group_idx)
     assert isinstance(event, core.AllBlocksCleared), event
     return AllBlocksCleared()
 

@@ -131,7 +131,7 @@ class Router:
         instance.gone.set()
         subscribers, instance.subscribers = instance.subscribers, []
         for worker in instance.workers:
-            if worker in self.index.blocks:
+            if worker in self.index.blocks or worker in self.index.groups:
                 self.index.remove_worker(worker)
             self.loads.drop_worker(worker)
         self._gauge()
@@ -173,7 +173,7 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return
         if self.block_size is None:
-            self.block_size = info["block_size"]
+            self.block_size = self.index.block_size = info["block_size"]
         elif info["block_size"] != self.block_size:
             logger.error("router: %s has block size %s, the pool %s: left out", instance.url,
                          info["block_size"], self.block_size)

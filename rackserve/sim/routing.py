@@ -61,7 +61,7 @@ class ClusterRouter(SimRouter):
         `data_parallel_rank`); False: to its instance only, the engine placing it."""
         self.policy = create_policy(policy, seed=seed)
         self.block_size, self.pin_dp_rank = block_size, pin_dp_rank
-        self.index, self.loads = KVIndex(), ActiveLoads()
+        self.index, self.loads = KVIndex(block_size), ActiveLoads()
 
     @staticmethod
     def worker(instance: int, dp_rank: int) -> WorkerKey:
