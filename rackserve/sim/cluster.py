@@ -177,11 +177,14 @@ class SimClient:
     async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: list[int],
                       max_tokens: int, record: RequestRecord, kv_transfer_params: dict | None = None) -> dict | None:
         route = router.pick(instances, token_ids, req_id)
+        output_tokens = None     # a request that failed teaches the router nothing
         try:
-            return await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
-                                                            lambda: router.first_token(req_id), kv_transfer_params)
+            params = await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
+                                                              lambda: router.first_token(req_id), kv_transfer_params)
+            output_tokens = record.output_tokens if record.ok else None
+            return params
         finally:
-            router.finish(req_id)
+            router.finish(req_id, output_tokens)
 
     async def _disaggregated(self, token_ids: list[int], record: RequestRecord) -> None:
         req_id = f"sim-{next(self._ids)}"

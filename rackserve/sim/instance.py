@@ -212,11 +212,11 @@ class SimSetup:
             computes = self.prefill is None   # under P/D the prefill pool computes prompts and uses the KV pool
             block_size = self.config.cache.block_size
             pin = self.dp_placement == "router"
-            router = make_router(self.router_policy, block_size, seed, pin)
+            router = make_router(self.router_policy, block_size, seed, pin, clock)
             fabric = fabrics[0]
             instances = [SimInstance(i, self.engine(seed + i, pool if computes else None, i, fabric, clock), clock,
                                      router.observe) for i in range(self.instances)]
-            prefill_router = make_router(self.router_policy, block_size, seed + 1000, pin)
+            prefill_router = make_router(self.router_policy, block_size, seed + 1000, pin, clock)
             prefill = [] if self.prefill is None else [
                 SimInstance(i, self.prefill.engine(seed + 1000 + i, pool, i, fabric, clock), clock,
                             prefill_router.observe) for i in range(self.prefill.instances)]

@@ -16,7 +16,7 @@ This file owns the choice of instance and DP rank; it must never step an engine.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from rackserve.core.hashing import block_hashes
@@ -48,20 +48,22 @@ class SimRouter:
     def first_token(self, req_id: str) -> None:
         """The request's first token arrived (its prefill is no longer queued work)."""
 
-    def finish(self, req_id: str) -> None:
-        """The request ended (or failed)."""
+    def finish(self, req_id: str, output_tokens: int | None = None) -> None:
+        """The request ended (or failed: no `output_tokens`)."""
 
 
 class ClusterRouter(SimRouter):
     """router/policies.py's policy over router/'s KV index and predicted loads."""
     uses_kv_events = True
 
-    def __init__(self, policy: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True):
+    def __init__(self, policy: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
+                 clock: Callable[[], float] | None = None):
         """`pin_dp_rank`: the request goes to the chosen worker's DP rank (as rackserve router pins
-        `data_parallel_rank`); False: to its instance only, the engine placing it."""
+        `data_parallel_rank`); False: to its instance only, the engine placing it. `clock`: the
+        virtual time, with which the loads learn kv's prices as the router's do (none: blocks)."""
         self.policy = create_policy(policy, seed=seed)
         self.block_size, self.pin_dp_rank = block_size, pin_dp_rank
-        self.index, self.loads = KVIndex(block_size), ActiveLoads()
+        self.index, self.loads = KVIndex(block_size), ActiveLoads(clock)
 
     @staticmethod
     def worker(instance: int, dp_rank: int) -> WorkerKey:
@@ -85,8 +87,8 @@ class ClusterRouter(SimRouter):
     def first_token(self, req_id: str) -> None:
         self.loads.first_token(req_id)
 
-    def finish(self, req_id: str) -> None:
-        self.loads.finish(req_id)
+    def finish(self, req_id: str, output_tokens: int | None = None) -> None:
+        self.loads.finish(req_id, output_tokens)
 
 
 def uncached_work(scheduler: Scheduler, hashes: list[int], num_tokens: int) -> int:
@@ -128,9 +130,10 @@ def policy_names() -> list[str]:
     return sorted([*ROUTING_POLICIES, *OWN_POLICIES])
 
 
-def make_router(name: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True) -> SimRouter:
+def make_router(name: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
+                clock: Callable[[], float] | None = None) -> SimRouter:
     if name == "least_uncached":
         return LeastUncached()
     if name not in ROUTING_POLICIES:
         raise ValueError(f"unknown router policy {name!r}; known: {policy_names()}")
-    return ClusterRouter(name, block_size, seed, pin_dp_rank)
+    return ClusterRouter(name, block_size, seed, pin_dp_rank, clock)
