@@ -74,7 +74,7 @@ def test_active_loads_learn_ttft_and_itl_lines_from_timed_streams():
     # A worker with no points of its own is priced with all workers' points.
     assert loads.price(C) == price
     # What teaches nothing: a request finished without a first token (not streamed, or failed),
-    # or a stream without usage; an untimed ActiveLoads (the simulator's) prices nothing.
+    # or a stream without usage; an untimed ActiveLoads prices nothing.
     loads.add("plain", C, [1, 2], prefill_blocks=2.0)
     clock.now += 30.0
     loads.finish("plain", output_tokens=10)

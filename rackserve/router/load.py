@@ -51,8 +51,8 @@ def uncached_prefill_blocks(num_tokens: int, overlap_blocks: int, block_size: in
 
 class ActiveLoads:
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
-        """`clock` (seconds, say time.monotonic): time each request and learn the workers' prices;
-        None (the simulator, which has its own clock): no prices."""
+        """`clock` (seconds: time.monotonic in the router, virtual time in the simulator): time
+        each request and learn the workers' prices; None: no timing, no prices."""
         self._loads: dict[WorkerKey, WorkerLoad] = {}
         self._refs: dict[WorkerKey, Counter[int]] = {}     # block hash -> unfinished requests holding it
         self._requests: dict[str, _Routed] = {}
