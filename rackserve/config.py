@@ -28,8 +28,10 @@ class ModelConfig:
     skip_tokenizer_init: bool = False   # token ids in and out only: no tokenizer is loaded
     quantization: str = "none"      # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linears stay packed; "none": dequantized
     dtype_reason: str = "given by --dtype"     # why this dtype, for the startup log
-    quant_kernel: str = "auto"      # kernel of the packed linears: "vnni" | "int4" (quant/); "auto": chosen at load
+    quant_kernel: str = "auto"      # kernel of the packed linears: "vnni" | "avx2" | "int4" (quant/); "auto": chosen at load
     quant_kernel_reason: str = ""   # why that kernel, for the startup log
+    native_isa: str = "auto"        # build of the native library: "avx512" | "avx2" | "none" (model/native.py)
+    native_isa_reason: str = ""     # why that build, for the startup log
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,13 @@ class EngineArgs:
                              "multiply them with --quant-kernel; none: dequantize them at load; "
                              "auto: gguf for a .gguf file", choices=["auto", "gguf", "none"])
     quant_kernel: str = _opt("auto", "kernel of the packed GGUF linears: vnni (int8 dot products, AVX-512 "
-                             "VNNI, built once with g++), int4 (torch's int4 kernel); auto: vnni where "
-                             "the CPU has it and it builds", choices=["auto", "vnni", "int4"])
+                             "VNNI, built once with g++), avx2 (the same with AVX2), int4 (torch's int4 "
+                             "kernel); auto: the --native-isa build's (vnni, avx2), else int4",
+                             choices=["auto", "vnni", "avx2", "int4"])
+    native_isa: str = _opt("auto", "build of the native CPU library (fused decode ops and the vnni/avx2 "
+                           "kernels): avx512 (AVX-512 VNNI), avx2 (AVX2+FMA+F16C, as AMD Zen), none "
+                           "(torch ops only); auto: the widest the CPU has and g++ builds",
+                           choices=["auto", "avx512", "avx2", "none"])
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available)", choices=["auto", "cpu", "cuda"])
     max_model_len: int | None = _opt(None, "longest prompt + output, in tokens (default: the model's)")
     max_num_seqs: int = _opt(64, "most requests running at once")
@@ -297,8 +304,10 @@ class EngineArgs:
         path = resolve_model_path(self.model)
         dtype, dtype_reason = resolve_dtype(self.dtype, device)
         quantization = resolve_quantization(self.quantization, path)
+        from rackserve.model.native import resolve_native_isa
         from rackserve.model.quant.kernel_choice import resolve_quant_kernel
-        kernel = resolve_quant_kernel(self.quant_kernel, quantization, device)
+        isa = resolve_native_isa(self.native_isa, device)
+        kernel = resolve_quant_kernel(self.quant_kernel, quantization, device, isa.isa)
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
@@ -312,6 +321,8 @@ class EngineArgs:
             dtype_reason=dtype_reason,
             quant_kernel=kernel.name,
             quant_kernel_reason=kernel.reason,
+            native_isa=isa.isa,
+            native_isa_reason=isa.reason,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,

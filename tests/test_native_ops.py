@@ -1,7 +1,8 @@
 """The native library's fused decode ops (model/native_ops.py) against the torch forms they
 replace, on float32 CPU rows: residual add + RMSNorm (and its residual updated in place), SiLU-and-
 mul, and neox RoPE in place on a fused qkv row; and the torch forms where the library does not run
-(bf16). Skipped where the library cannot build or run (its reason is the skip reason).
+(bf16, --native-isa none). Each test runs on both builds (avx512 and avx2: an AVX-512 machine runs
+both), skipped where a build cannot build or run (its reason is the skip reason).
 """
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.model import native_ops
-from rackserve.model.native import unavailable_reason
+from rackserve.model.native import ISAS, unavailable_reason
 from rackserve.model.rotary import RotaryEmbedding, apply_rope
 
-WHY_NOT = unavailable_reason()
-pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+@pytest.fixture(autouse=True, params=[pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def isa(request):
+    native_ops.use_isa(request.param)
+    assert native_ops.library() is native_ops.load(request.param) is not None
+    yield request.param
+    native_ops.use_isa("auto")
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,6 +63,8 @@ def test_rope_in_place_matches_apply_rope_on_the_q_and_k_heads_only():
     torch.testing.assert_close(qkv[:, :(heads + kv_heads) * hd].view(t, -1, hd), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(qkv[:, (heads + kv_heads) * hd:], v)      # v untouched
     assert not native_ops.rope_neox_(qkv.bfloat16(), heads + kv_heads, hd, cos, sin)
+    native_ops.use_isa("none")                  # --native-isa none: the torch forms everywhere
+    assert native_ops.library() is None and not native_ops.rope_neox_(qkv, heads + kv_heads, hd, cos, sin)
 
 
 def test_paged_decode_attention_reads_scattered_blocks_in_place():

@@ -1,6 +1,6 @@
 """GGUF weights kept quantized (--quantization gguf): Q4_0, Q4_1 and Q8_0 blocks decoded into int4
-groups exactly as gguf-py dequantizes them, each quantized-linear kernel (torch's int4, our vnni)
-against the fp32 matmul of the dequantized weight, the kernel choice from given CPU flags, and tiny
+groups exactly as gguf-py dequantizes them, each quantized-linear kernel (torch's int4, our vnni and
+avx2) against the fp32 matmul of the dequantized weight, the kernel choice from given CPU flags, and tiny
 GGUF models loaded quantized against their HF originals.
 """
 from __future__ import annotations
@@ -11,10 +11,9 @@ import torch
 
 from rackserve.config import ModelConfig
 from rackserve.model.loader import load_model
-from rackserve.cpu_dtype import cpu_flags
 from rackserve.model.quant.gguf_blocks import from_gguf
 from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
-from rackserve.model.native import CPU_FLAGS
+from rackserve.model.native import ISAS, unavailable_reason
 from rackserve.model.quant.kernel_choice import choose_quant_kernel
 from rackserve.model.quant.quantized_linear import QUANT_KERNELS
 from tests.test_model_gguf import write_gguf
@@ -22,12 +21,15 @@ from tests.test_model_parity import prefill_logits
 from tests.tiny_models import load_hf
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
-VNNI = choose_quant_kernel(cpu_flags())
-KERNELS = ["int4", pytest.param("vnni", marks=pytest.mark.skipif(VNNI.name != "vnni", reason=VNNI.reason))]
+# The native kernels wherever their build runs: both on an AVX-512 machine, so CI pins both.
+KERNELS = ["int4"] + [pytest.param(kernel, marks=pytest.mark.skipif(why is not None, reason=str(why)))
+                      for kernel, why in [("vnni", unavailable_reason(isa="avx512")),
+                                          ("avx2", unavailable_reason(isa="avx2"))]]
 # Largest error of an output, relative to its row's largest: torch's int4 kernel rounds activations
-# and outputs to bf16 (~0.4%); vnni's two int8 parts of each activation leave ~1e-5. A wrong scale
-# or zero of one group out of six shifts outputs by tens of percent.
-TOLERANCE = {"int4": 2e-2, "vnni": 2e-4}
+# and outputs to bf16 (~0.4%); the native kernels' two int8 parts of each activation leave ~1e-5. A
+# wrong scale or zero of one group out of six shifts outputs by tens of percent.
+TOLERANCE = {"int4": 2e-2, "vnni": 2e-4, "avx2": 2e-4}
+ZEN = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}         # an AMD Zen 2/3: no avx512*
 
 
 def random_blocks(qtype: str, rows: int = 72, cols: int = 192, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
@@ -37,6 +39,8 @@ def random_blocks(qtype: str, rows: int = 72, cols: int = 192, seed: int = 0) ->
     from gguf.quants import dequantize, quantize
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) + 0.5
     blocks = quantize(w, Q[qtype])
+    if qtype == "Q8_0":
+        blocks[:, 2] = 0x80         # a code of -128, which a file may hold: the avx2 kernel's |q| edge
     return blocks, torch.from_numpy(dequantize(blocks, Q[qtype]).copy())
 
 
@@ -75,17 +79,33 @@ def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
 def test_the_kernel_choice_follows_the_cpu_flags_and_the_build(tmp_path):
     from rackserve.model.native import build_library
     (tmp_path / "a-file").write_text("")
-    unwritable = choose_quant_kernel(set(CPU_FLAGS), build=lambda: build_library(str(tmp_path / "a-file" / "kernels")))
+    xeon = set(ISAS["avx512"].cpu_flags) | ZEN
+    unwritable = choose_quant_kernel(xeon, build=lambda isa: build_library(isa, str(tmp_path / "a-file" / "k")))
     assert unwritable.name == "int4" and "failed" in unwritable.reason
 
-    def fails():
+    def fails(isa):
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    assert choose_quant_kernel(set(CPU_FLAGS), build=lambda: "lib.so").name == "vnni"
-    no_vnni = choose_quant_kernel(set(CPU_FLAGS) - {"avx512_vnni"}, build=lambda: "lib.so")
-    assert no_vnni.name == "int4" and "avx512_vnni" in no_vnni.reason
-    unbuilt = choose_quant_kernel(set(CPU_FLAGS), build=fails)
+    assert choose_quant_kernel(xeon, build=lambda isa: "lib.so").name == "vnni"
+    # vnni > avx2 > int4, by the flags: a Xeon without VNNI (Skylake) and a Zen take the avx2 build.
+    for flags in (xeon - {"avx512_vnni"}, ZEN):
+        avx2 = choose_quant_kernel(flags, build=lambda isa: "lib.so")
+        assert avx2.name == "avx2" and "not avx512: the CPU lacks" in avx2.reason
+    assert choose_quant_kernel(ZEN - {"f16c"}, build=lambda isa: "lib.so").name == "int4"
+    # The avx2 build alone failing (say a source it cannot compile) leaves vnni where it runs.
+    assert choose_quant_kernel(xeon, build=lambda isa: fails(isa) if isa == "avx2" else "lib.so").name == "vnni"
+    unbuilt = choose_quant_kernel(ZEN, build=fails)
     assert unbuilt.name == "int4" and "no C++ compiler" in unbuilt.reason
     assert choose_quant_kernel(set()).name == "int4"          # /proc/cpuinfo unreadable: nothing assumed
+
+
+def test_native_isa_flag_picks_the_build_and_the_auto_kernel():
+    from rackserve.model.native import resolve_native_isa
+    from rackserve.model.quant.kernel_choice import resolve_quant_kernel
+    assert resolve_native_isa("avx2", "cpu").isa == "avx2"
+    assert resolve_native_isa("auto", "cuda").isa == "none"
+    assert [resolve_quant_kernel("auto", "gguf", "cpu", isa).name for isa in ("avx512", "avx2", "none")] \
+        == ["vnni", "avx2", "int4"]
+    assert resolve_quant_kernel("int4", "gguf", "cpu", "avx2").name == "int4"     # a given kernel is kept
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -100,16 +120,26 @@ def test_exact_top_recomputes_the_largest_outputs_in_fp32(kernel):
     assert torch.equal(y.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("fixture,qtype", [("tiny_llama_dir", "Q4_1"), ("tiny_llama3_rope_dir", "Q8_0"),
-                                           ("tiny_qwen3_dir", "Q4_0")])
-def test_tiny_gguf_kept_quantized_matches_its_hf_original(fixture, qtype, request, tmp_path):
+@pytest.mark.parametrize("fixture,qtype,native_isa", [
+    ("tiny_llama_dir", "Q4_1", "auto"), ("tiny_llama3_rope_dir", "Q8_0", "auto"), ("tiny_qwen3_dir", "Q4_0", "auto"),
+    # --native-isa avx2: its quantized kernel and fused ops end to end (an AVX-512 machine runs it too).
+    pytest.param("tiny_llama_dir", "Q8_0", "avx2", marks=pytest.mark.skipif(
+        unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2"))))])
+def test_tiny_gguf_kept_quantized_matches_its_hf_original(fixture, qtype, native_isa, request, tmp_path):
     from gguf import GGMLQuantizationType as Q
+
+    from rackserve.model import native_ops
     hf = load_hf(request.getfixturevalue(fixture))
     path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "qwen3" if "qwen3" in fixture else "llama", [Q[qtype]])
-    model, info = load_model(ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf"))
+    config = ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf", native_isa=native_isa)
+    request.addfinalizer(lambda: native_ops.use_isa("auto"))         # the loader set this process's build
+    model, info = load_model(config)
     packed = [m for m in model.modules() if getattr(m, "quant", None) is not None]
     assert len(packed) == 4 * info.num_layers + 1           # qkv, o, gate_up, down per layer + lm_head
     assert all(m.weight is None for m in packed if m is not model.lm_head)
+    if native_isa == "avx2":
+        assert {type(m.quant).__name__ for m in packed} == {"Avx2Linear"}
+        assert native_ops.library() is native_ops.load("avx2")
     ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = prefill_logits(model, info, ids)
     with torch.inference_mode():

@@ -197,7 +197,7 @@ def _packed_savings(model_config: ModelConfig, dense_itemsize: int) -> int:
     from rackserve.model.gguf_loader import hf_name, open_gguf
     from rackserve.model.quant.gguf_blocks import SUPPORTED, packed_nbytes
     from rackserve.model.quant.kernel_choice import resolve_quant_kernel
-    kernel = resolve_quant_kernel(model_config.quant_kernel, "gguf", model_config.device).name
+    kernel = resolve_quant_kernel(model_config.quant_kernel, "gguf", model_config.device, model_config.native_isa).name
     tensors = open_gguf(model_config.model).tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     saved = 0

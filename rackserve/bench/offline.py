@@ -70,6 +70,12 @@ def _write(path: str | None, result: dict) -> None:
         print(f"wrote {path}")
 
 
+def _kernels(llm) -> dict[str, str | None]:
+    """The native library build and the quantized-linear kernel a run used: its figures depend on them."""
+    m = llm.engine.config.model
+    return {"native_isa": m.native_isa, "quant_kernel": m.quant_kernel if m.quantization == "gguf" else None}
+
+
 # ---- latency ------------------------------------------------------------------------------
 
 
@@ -108,15 +114,16 @@ def run_latency(args: argparse.Namespace) -> None:
     tps = statistics.median(r[1] for r in runs)
     from rackserve.bench.forward_steps import ForwardPoint
     step_bytes = _cost(llm).step_bytes(ForwardPoint("decode", 1, args.input_len + args.output_len // 2, 1))
-    device = llm.engine.config.model.device
+    device, kernels = llm.engine.config.model.device, _kernels(llm)
     llm.shutdown()
     limits = measure_limits(device)
     limit_tps = limits.mem_read_gbps * 1e9 / step_bytes
     result = {"bench": "latency", "model": engine_args.model, "input_len": args.input_len,
               "output_len": args.output_len, "runs": args.runs, "limits": vars(limits),
               "decode_step_bytes": step_bytes, "rackserve": {"ttft_s": ttft, "decode_tok_s": tps},
-              "weight_read_limit_tok_s": limit_tps}
-    print(f"machine: {limits.describe()}")
+              "weight_read_limit_tok_s": limit_tps, **kernels}
+    print(f"machine: {limits.describe()}; native library {kernels['native_isa']}, "
+          f"quantized-linear kernel {kernels['quant_kernel']}")
     print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
           f"({tps / limit_tps:.0%} of the weight-read limit {limit_tps:.1f} tok/s)")
     if "llama.cpp" in args.peer:
@@ -181,7 +188,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     elapsed = time.perf_counter() - t0
     assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(o for _, o in requests)
     flops = _workload_flops(_cost(llm), requests)
-    device = llm.engine.config.model.device
+    device, kernels = llm.engine.config.model.device, _kernels(llm)
     llm.shutdown()
     limits = measure_limits(device)
     # The processed-token rate at which the workload's FLOPs run at the measured matmul rate.
@@ -190,8 +197,9 @@ def run_throughput(args: argparse.Namespace) -> None:
     result = {"bench": "throughput", "model": engine_args.model, "num_prompts": args.num_prompts,
               "prompt_tokens": sum(len(p) for p, _ in requests), "output_tokens": sum(o for _, o in requests),
               "limits": vars(limits), "flops": flops,
-              "rackserve": {"seconds": elapsed, "processed_tok_s": tps}, "matmul_limit_tok_s": limit_tps}
-    print(f"machine: {limits.describe()}")
+              "rackserve": {"seconds": elapsed, "processed_tok_s": tps}, "matmul_limit_tok_s": limit_tps, **kernels}
+    print(f"machine: {limits.describe()}; native library {kernels['native_isa']}, "
+          f"quantized-linear kernel {kernels['quant_kernel']}")
     print(f"{args.num_prompts} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} "
           f"output tokens")
     print(f"rackserve  {elapsed:7.1f} s   {tps:6.1f} processed tok/s "

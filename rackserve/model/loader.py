@@ -19,6 +19,7 @@ from torch import nn
 
 from rackserve.config import ModelConfig
 from rackserve.distributed.parallel_state import ParallelGroups
+from rackserve.model import native_ops
 from rackserve.model.attention import KVCacheSpec
 from rackserve.model.models import get_model_class
 
@@ -100,11 +101,16 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     max_position = model_config.max_model_len or info.max_position_embeddings
     with torch.device(model_config.device), _default_dtype(dtype):
         model = model_cls(config, attn_backend, max_position, groups or ParallelGroups.single())
+    if model_config.device == "cpu":
+        native_ops.use_isa(model_config.native_isa)     # the build this process's fused ops call
     if model_config.quantization == "gguf":
+        from rackserve.model.quant.kernel_choice import resolve_quant_kernel
         from rackserve.model.quant.quantized_weight import QuantizedWeight
+        kernel = resolve_quant_kernel(model_config.quant_kernel, "gguf", model_config.device,
+                                      model_config.native_isa).name
         for module in model.modules():
             if isinstance(module, QuantizedWeight):
-                module.quant_kernel = model_config.quant_kernel
+                module.quant_kernel = kernel
     model.load_weights(weights)
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):

@@ -1,11 +1,12 @@
 """Ops of the native CPU library (csrc/, built by native.py) for float32 CPU tensors, each with the
 plain-torch form it replaces, which runs wherever the library does not (another dtype or device,
-a CPU without AVX-512 VNNI, no compiler): the quantized GEMV of quant/vnni_linear.py, and the
+a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py, and the
 fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
 attention reading the paged KV cache in place), each a Python dispatch less that a batch-1
-decode step pays per op. This file must never decide
-what a layer computes: both forms give the same values up to float rounding.
+decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the
+CPU's widest, native.choose_isa), one per process as torch's thread count is. This file must never
+decide what a layer computes: both forms give the same values up to float rounding.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from rackserve.model.native import build_library, unavailable_reason
+from rackserve.model.native import build_library, choose_isa, unavailable_reason
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],
+    "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx512 build's GEMV
+    "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
@@ -27,16 +29,37 @@ _SIGNATURES = {
 }
 
 
+_isa = "auto"       # use_isa's choice
+
+
+@functools.cache
+def load(isa: str) -> ctypes.CDLL | None:
+    """The library built for `isa` ("auto": the CPU's widest), or None where it cannot run."""
+    isa = choose_isa().isa if isa == "auto" else isa
+    if isa == "none" or unavailable_reason(isa=isa) is not None:
+        return None
+    lib = ctypes.CDLL(build_library(isa))
+    for name, args in _SIGNATURES.items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = _I
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded library, or None where it cannot run."""
-    if unavailable_reason() is not None:
-        return None
-    lib = ctypes.CDLL(build_library())
-    for name, args in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
-        getattr(lib, name).restype = _I
-    return lib
+    """The library the fused ops call (use_isa's), or None where it cannot run."""
+    return load(_isa)
+
+
+def use_isa(isa: str) -> None:
+    """Makes the fused ops of this process call `isa`'s build: "auto", "avx512", "avx2", or "none"
+    (their torch forms). Raises RuntimeError where a named build cannot run."""
+    global _isa
+    if isa not in ("auto", "none") and (why := unavailable_reason(isa=isa)) is not None:
+        raise RuntimeError(f"--native-isa {isa} cannot run here: {why} (use --native-isa auto)")
+    _isa = isa
+    library.cache_clear()
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:

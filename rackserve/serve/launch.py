@@ -111,6 +111,7 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
         print(f"rackserve: serving {engine.config.model.served_model_name} at {url}/v1 "
               f"(metrics at {url}/metrics)\n"
               f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
+              + (f"  native library {m.native_isa} ({m.native_isa_reason})\n" if m.device == "cpu" else "")
               + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})\n"
                  if m.quantization == "gguf" else "") +
               f"{kv_groups_line(engine)}"

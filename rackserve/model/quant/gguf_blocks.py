@@ -82,9 +82,9 @@ class Int4Groups:
 
 def packed_nbytes(qtype: str, numel: int, kernel: str = "int4") -> int:
     """What a quantized-linear kernel reads for a weight of `numel` elements. "int4": 4-bit codes
-    and a bf16 scale and zero per group (Q8_0 as two groups); "vnni": the GGUF block itself (codes,
-    fp16 scale, and Q4_1's fp16 minimum)."""
-    if kernel == "vnni":
+    and a bf16 scale and zero per group (Q8_0 as two groups); "vnni" and "avx2": the GGUF block itself
+    (codes, fp16 scale, and Q4_1's fp16 minimum)."""
+    if kernel in ("vnni", "avx2"):
         return numel // GROUP * {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
     width = numel * _EXPAND[qtype]
     return width // 2 + width // GROUP * 4

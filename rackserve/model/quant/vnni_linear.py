@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.model.native import unavailable_reason
-from rackserve.model.native_ops import library
+from rackserve.model.native_ops import load
 from rackserve.model.quant.gguf_blocks import GROUP, Int4Groups
 from rackserve.model.quant.quantized_linear import QUANT_KERNELS, QuantizedLinear
 
@@ -24,21 +24,22 @@ TILE = 16                                   # output rows a tile interleaves: th
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the kernel's `kind`
 
 
-def _tiles_of(rows_first: torch.Tensor, tiles: int) -> torch.Tensor:
-    """[rows, blocks] fp16 values -> [tiles, blocks, 16 * 2 bytes]: a block's 16 rows side by side."""
-    return rows_first.to(torch.float16).view(tiles, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
+def _tiles_of(rows_first: torch.Tensor, tiles: int, tile: int) -> torch.Tensor:
+    """[rows, blocks] fp16 values -> [tiles, blocks, tile * 2 bytes]: a block's `tile` rows side by side."""
+    return rows_first.to(torch.float16).view(tiles, tile, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
 
-def pack(weight: Int4Groups) -> torch.Tensor:
-    """The kernel's records, uint8 [tiles, blocks, bytes]: per tile and block of 32 inputs, the 16
-    rows' codes interleaved 4 at a time, then the 16 fp16 scales d, then (Q4_1) the 16 minimums m."""
+def pack(weight: Int4Groups, tile: int = TILE, signed_q8: bool = False) -> torch.Tensor:
+    """The kernel's records, uint8 [tiles, blocks, bytes]: per tile and block of 32 inputs, the `tile`
+    rows' codes interleaved 4 at a time, then the fp16 scales d, then (Q4_1) the minimums m. Q8_0's
+    codes are q + 128, or q's int8 bytes with `signed_q8` (csrc/avx2_gemv.cpp's layout)."""
     n, k = weight.shape
-    pad, nb = -n % TILE, k // GROUP
-    tiles = (n + pad) // TILE
+    pad, nb = -n % tile, k // GROUP
+    tiles = (n + pad) // tile
     if weight.qtype == "Q8_0":
         # The hi and lo groups give back q + 128 = 16 hi + lo, the lo group's scale d.
         codes = (weight.codes.view(n, nb, 2, GROUP)[:, :, 0] << 4) | weight.codes.view(n, nb, 2, GROUP)[:, :, 1]
-        d, m = weight.scales.view(n, nb, 2)[..., 1], None
+        codes, d, m = codes ^ 128 if signed_q8 else codes, weight.scales.view(n, nb, 2)[..., 1], None
     else:
         codes, d = weight.codes.view(n, nb, GROUP), weight.scales
         # w = (code - 8) * scale + zero = d * code + m: m = zero - 8 d (fp16 in the file, exact here).
@@ -46,21 +47,23 @@ def pack(weight: Int4Groups) -> torch.Tensor:
     codes, d = F.pad(codes, (0, 0, 0, 0, 0, pad)), F.pad(d, (0, 0, 0, pad))
     if weight.qtype == "Q8_0":
         # byte (j, r, i) = code[r][4j + i]
-        c = codes.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 512)
+        c = codes.view(tiles, tile, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, 32 * tile)
     else:
         # byte (j, r, i) = code[r][4j + i] | code[r][16 + 4j + i] << 4
-        c = codes.view(tiles, TILE, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-        c = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, nb, 256)
-    parts = [c, _tiles_of(d, tiles)]
+        c = codes.view(tiles, tile, nb, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        c = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, nb, 16 * tile)
+    parts = [c, _tiles_of(d, tiles, tile)]
     if m is not None:
-        parts.append(_tiles_of(F.pad(m, (0, 0, 0, pad)), tiles))
+        parts.append(_tiles_of(F.pad(m, (0, 0, 0, pad)), tiles, tile))
     return torch.cat(parts, -1).contiguous()
 
 
 @QUANT_KERNELS.register("vnni")
 class VnniLinear(QuantizedLinear):
-    """Buffer `packed`: the tiles of `pack`, beside the shared plain codes."""
+    """Buffer `packed`: the tiles of `pack`, beside the shared plain codes. The class attributes
+    below name the build and layout; avx2_linear.py's kernel differs only in them."""
 
+    isa, gemv, tile, signed_q8 = "avx512", "rs_vnni_gemv", TILE, False
     # Against dequantize + dense GEMM for a 3072x576 Q4_1 weight, one thread, CPU time: 3.0x at
     # 128 rows, 1.4x at 512, 0.64x at 1024; so a 512-token step (the default budget) stays packed.
     dense_above_rows = 512
@@ -68,11 +71,13 @@ class VnniLinear(QuantizedLinear):
 
     def __init__(self, weight: Int4Groups):
         super().__init__(weight)
-        self._lib = library()
-        if self._lib is None:
-            raise RuntimeError(f"--quant-kernel vnni cannot run here: {unavailable_reason()} (use --quant-kernel int4)")
+        lib = load(self.isa)
+        if lib is None:
+            raise RuntimeError(f"this quantized-linear kernel cannot run here: {unavailable_reason(isa=self.isa)} "
+                               "(use --quant-kernel auto or int4)")
+        self._gemv = getattr(lib, self.gemv)
         self.kind = KINDS[weight.qtype]
-        self.register_buffer("packed", pack(weight))
+        self.register_buffer("packed", pack(weight, self.tile, self.signed_q8))
 
     def weight_bytes_per_token(self) -> int:
         return self.packed.numel()
@@ -80,8 +85,8 @@ class VnniLinear(QuantizedLinear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32).contiguous()
         tiles = self.packed.shape[0]
-        y = torch.empty(xf.shape[0], tiles * TILE)
-        rc = self._lib.rs_vnni_gemv(xf.data_ptr(), xf.shape[0], self.in_features, self.packed.data_ptr(), tiles,
-                                    self.kind, y.data_ptr(), torch.get_num_threads())
-        assert rc == 0, "vnni_gemv refused its arguments"
+        y = torch.empty(xf.shape[0], tiles * self.tile)
+        rc = self._gemv(xf.data_ptr(), xf.shape[0], self.in_features, self.packed.data_ptr(), tiles, self.kind,
+                        y.data_ptr(), torch.get_num_threads())
+        assert rc == 0, f"{self.gemv} refused its arguments"
         return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)

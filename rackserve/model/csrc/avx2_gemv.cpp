@@ -1,0 +1,173 @@
+// y = x W^T for GGUF Q4_0 / Q4_1 / Q8_0 weights, for a few rows of x (decode), with AVX2 + FMA +
+// F16C: vnni_gemv.cpp's method and numerics for CPUs without AVX-512 (AMD Zen 2/3, Intel before
+// Ice Lake), built only into the "avx2" library (model/native.py).
+//
+// Each block of 32 of a row of x is written as dx * q + dr * r (two int8 parts, with their integer
+// sums and the block's float sum) exactly as there. AVX2 has no vpdpbusd; its sum of four u8 x s8
+// products into an int32 lane is vpmaddubsw (pairs into int16) then vpmaddwd by ones (pairs of
+// int16 into int32), llama.cpp's AVX2 path. Output rows are interleaved 8 at a time (the 8 int32
+// lanes of a ymm), so a block's 8 scales are one vector. Per tile and block the record holds
+//   codes: Q4_*: 128 bytes, byte (j, r, i) = code[r][4j + i] | code[r][16 + 4j + i] << 4
+//          Q8_0: 256 bytes, byte (j, r, i) = q[r][4j + i] as int8 (signed: vpmaddubsw's unsigned
+//          side takes |q| and the activation takes q's sign, so no int16 pair saturates:
+//          2 * 128 * 127 < 2^15; an offset code q + 128 would)
+//   d[8] fp16, then (Q4_1) m[8] fp16,
+// and a block's product is d * (dx * (sum(code q) - 8 sum(q)) + dr * (sum(code r) - 8 sum(r)))
+// for Q4_0, d * (dx sum(code q) + dr sum(code r)) (+ m * sum(x) for Q4_1) otherwise: GGUF's
+// numerics. quant/avx2_linear.py packs the records and calls rs_avx2_gemv through ctypes.
+// This file must never allocate or own weights.
+#include <immintrin.h>
+#include <omp.h>
+#include <cstdint>
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kTile = 8;
+
+struct QuantizedRows {      // x per block of 32 as dx * q + dr * r (two int8 parts), with the sums
+  std::vector<int8_t> q, r;   // [T, K]
+  std::vector<float> dx, dr, fsum;          // [T, blocks]
+  std::vector<int32_t> qsum, rsum;          // [T, blocks]
+};
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+}
+
+// Rounds the 32 values v / d to int8 (nearest even, as vnni_gemv.cpp's; |v / d| <= 127 by the
+// choice of d) into out; returns them as int32 in q.
+inline void to_int8(const __m256 v[4], float d, int8_t* out, __m256i q[4]) {
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // packs work within 128-bit lanes: the permute puts the 32 bytes back in order.
+  __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+}
+
+inline float abs_max(const __m256 v[4]) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
+  m = _mm256_max_ps(m, _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  return hmax(m);
+}
+
+// x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows.
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+  const int64_t n = rows * (k / kGroup);
+  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(n),
+                    std::vector<float>(n), std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n)};
+  for (int64_t b = 0; b < n; ++b) {
+    const float* xb = x + b * kGroup;
+    __m256 v[4], res[4];
+    __m256i q[4], s[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const float d = abs_max(v) / 127.f;
+    to_int8(v, d, out.q.data() + b * kGroup, q);
+    for (int i = 0; i < 4; ++i) res[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), v[i]);
+    const float dr = abs_max(res) / 127.f;
+    to_int8(res, dr, out.r.data() + b * kGroup, s);
+    out.dx[b] = d;
+    out.dr[b] = dr;
+    out.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    out.qsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    out.rsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])));
+  }
+  return out;
+}
+
+// One tile (8 output rows) times row `row` of x: 8 outputs.
+template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
+inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, int64_t row, int64_t k) {
+  constexpr int kCodeBytes = kKind == 2 ? 256 : 128;
+  constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data() + row * k);
+  const int32_t* xr = reinterpret_cast<const int32_t*>(x.r.data() + row * k);
+  const float *dx = x.dx.data() + row * nb, *dr = x.dr.data() + row * nb, *fsum = x.fsum.data() + row * nb;
+  const int32_t *qsum = x.qsum.data() + row * nb, *rsum = x.rsum.data() + row * nb;
+  __m256 acc = _mm256_setzero_ps(), acc_r = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, rec += kRecBytes, xq += 8, xr += 8) {
+    __m256i s, t;   // sum(code * q), sum(code * r) per output row
+    if constexpr (kKind == 2) {
+      s = t = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j)), a = _mm256_abs_epi8(v);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), ones));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones));
+      }
+    } else {
+      // 4-bit codes: the 8 int16 pair sums of a block stay under 8 * 2 * 15 * 127 < 2^15, so they
+      // are added as int16 and widened once.
+      __m256i s16 = _mm256_setzero_si256(), t16 = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        s16 = _mm256_add_epi16(s16, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[j])),
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[j + 4]))));
+        t16 = _mm256_add_epi16(t16, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[j])),
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[j + 4]))));
+      }
+      s = _mm256_madd_epi16(s16, ones);
+      t = _mm256_madd_epi16(t16, ones);
+      if constexpr (kKind == 0) {
+        s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * qsum[b]));
+        t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * rsum[b]));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx[b])), acc);
+    acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(dr[b])), acc_r);
+    if constexpr (kKind == 1) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes + 16)));
+      acc_min = _mm256_fmadd_ps(m, _mm256_set1_ps(fsum[b]), acc_min);
+    }
+  }
+  return _mm256_add_ps(_mm256_add_ps(acc, acc_r), acc_min);
+}
+
+template <int kKind>
+void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
+          int threads) {
+  constexpr int64_t kRecBytes = kKind == 2 ? 272 : (kKind == 1 ? 160 : 144);
+  const int64_t nb = k / kGroup, width = tiles * kTile;
+  // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work (as
+  // vnni_gemv.cpp: 128 output rows a thread at least).
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 16)));
+#pragma omp parallel for num_threads(n) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile = packed + t * nb * kRecBytes;
+    for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
+  }
+}
+
+}  // namespace
+
+// y [rows, tiles * 8] = x [rows, k] times the packed weight of `tiles` tiles. kind: 0 Q4_0, 1 Q4_1,
+// 2 Q8_0. Returns 0, or -1 for arguments it cannot take (the caller checks shapes first).
+extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
+                            int kind, float* y, int threads) {
+  if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
+  QuantizedRows xq = quantize_rows(x, rows, k);
+  if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
+  else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
+  else gemv<2>(xq, rows, k, packed, tiles, y, threads);
+  return 0;
+}

@@ -1,0 +1,16 @@
+"""The "avx2" quantized-linear kernel: the "vnni" kernel's method and numerics (GGUF's Q4_0 / Q4_1
+/ Q8_0 blocks against int8 activations in two parts, fp32-exact to ~1e-5) for CPUs with AVX2, FMA
+and F16C but no AVX-512 VNNI, as AMD Zen 2/3: four-product int8 sums by vpmaddubsw + vpmaddwd
+(llama.cpp's AVX2 path) in the native library's "avx2" build (csrc/avx2_gemv.cpp). Its weight
+records are vnni_linear.pack's with 8-row tiles (a ymm's int32 lanes) and Q8_0 codes as signed
+bytes, the same bytes per weight as the GGUF file. This file must never read checkpoints.
+"""
+from __future__ import annotations
+
+from rackserve.model.quant.quantized_linear import QUANT_KERNELS
+from rackserve.model.quant.vnni_linear import VnniLinear
+
+
+@QUANT_KERNELS.register("avx2")
+class Avx2Linear(VnniLinear):
+    isa, gemv, tile, signed_q8 = "avx2", "rs_avx2_gemv", 8, True
