@@ -336,6 +336,14 @@ def _in_process_model(executor):
     return executor.model if isinstance(executor, UniProcExecutor) else None
 
 
+def _use_native_build(side: Side) -> None:
+    """In-process sides share one process-wide build of the native ops (native_ops.use_isa): each
+    side's steps run on its own --native-isa."""
+    if side.config.model.device == "cpu" and _in_process_model(side.executor) is not None:
+        from rackserve.model import native_ops
+        native_ops.use_isa(side.config.model.native_isa)
+
+
 def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_steps: int,
                seed: int, profile: bool = False) -> list[Timing]:
     """Warm-up, then the settings' steps alternate (A, B, A, B, ...) until each has run
@@ -348,10 +356,12 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
     timings = [Timing(warmup_steps) for _ in sides]
     for _ in range(warmup_steps):
         for s, ranks in zip(sides, steps):
+            _use_native_build(s)
             s.executor.execute_dp([rs.next() for rs in ranks])
     while len(timings[0].step_s) < MIN_STEPS or min(sum(t.step_s) for t in timings) < seconds:
         for s, ranks, t in zip(sides, steps, timings):
             sos = [rs.next() for rs in ranks]
+            _use_native_build(s)
             t0 = time.perf_counter()
             outs = s.executor.execute_dp(sos)
             t.step_s.append(time.perf_counter() - t0)
@@ -365,6 +375,7 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
             if model is None:
                 continue
             profiler = LayerKindProfiler(model, s.config.model.device)
+            _use_native_build(s)
             try:
                 for _ in range(PROFILE_STEPS):
                     profiler.step(s.executor.execute, ranks[0].next())

@@ -41,7 +41,8 @@ COMMAND_MODULES: tuple[str, ...] = ("rackserve.bench.offline", "rackserve.bench.
                                    "rackserve.router.pd_proxy", "rackserve.kv_transfer.pool_cli",
                                    "rackserve.bench.kv_transfer_bench", "rackserve.bench.kv_pool_bench",
                                    "rackserve.router.cli", "rackserve.router.cluster", "rackserve.bench.router_bench",
-                                   "rackserve.bench.prefix_replay", "rackserve.bench.pd_itl_bench")
+                                   "rackserve.bench.prefix_replay", "rackserve.bench.pd_itl_bench",
+                                   "rackserve.bench.gemv_bench")
 
 
 def register_subcommand(name: str, help: str, add_args: Callable[[argparse.ArgumentParser], object]):
