@@ -97,6 +97,27 @@ def test_two_sides_alternate_step_by_step(tiny_llama_dir):
     assert labels == ["A", "B"] * (1 + len(a.step_s))
 
 
+def test_each_in_process_side_steps_on_its_own_native_build(tiny_llama_dir):
+    # --compare native_isa=avx2: the build of the fused ops is one a process, so each side's steps
+    # must switch to its own, or both would time the last-loaded side's.
+    from rackserve.model import native_ops
+    from rackserve.model.native import unavailable_reason
+    if unavailable_reason(isa="avx512") or unavailable_reason(isa="avx2"):
+        pytest.skip("needs both native builds (an AVX-512 VNNI CPU and g++)")
+    configs = [tiny_config(tiny_llama_dir, native_isa=isa) for isa in ("avx512", "avx2")]
+    executors = [create_executor(c) for c in configs]
+    seen: list = []
+    try:
+        for e in executors:
+            e.execute_dp = lambda sos, run=e.execute_dp: (seen.append(native_ops.library()), run(sos))[1]
+        time_point([Side(e, c) for e, c in zip(executors, configs)], ForwardPoint("decode", 1, 8, 1), 0.01, 1, 0)
+    finally:
+        for e in executors:
+            e.shutdown()
+        native_ops.use_isa("auto")
+    assert seen[:4] == [native_ops.load("avx512"), native_ops.load("avx2")] * 2
+
+
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_qwen3_moe_dir",
                                            "tiny_deepseek_v3_dir"])
 def test_profile_splits_the_step_by_layer_kind(request, model_fixture):
