@@ -83,3 +83,19 @@ def test_paged_decode_attention_reads_scattered_blocks_in_place():
         torch.testing.assert_close(out[r].view(heads, hd), torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
     assert native_ops.paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), torch.tensor(sum(tables, [])),
                                              torch.tensor(lens), 0.25) is None
+
+
+
+def test_each_build_holds_its_own_isa_and_none_wider(isa):
+    # An AVX-512 machine runs the avx2 build either way; on a Zen a single zmm, mask-register or
+    # xmm16+ instruction in it would be SIGILL. The disassembly is what a Zen would execute.
+    import re
+    import shutil
+    import subprocess
+
+    from rackserve.model.native import build_library
+    if shutil.which("objdump") is None:
+        pytest.skip("needs objdump (binutils)")
+    code = subprocess.run(["objdump", "-d", build_library(isa)], capture_output=True, text=True, check=True).stdout
+    assert {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}[isa] in code
+    assert isa == "avx512" or not re.search(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b", code)
