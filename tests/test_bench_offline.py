@@ -14,6 +14,9 @@ def test_latency_writes_rackserve_hf_and_limit(tiny_llama_dir, tmp_path):
     assert result["decode_ratio_vs_hf"] == result["rackserve"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
     assert result["weight_read_limit_tok_s"] > 0 and result["limits"]["processor"]
     assert result["command"].startswith("rackserve ")
+    # What the figure ran on: this CPU's native build; a safetensors model has no packed kernel.
+    from rackserve.model.native import choose_isa
+    assert (result["native_isa"], result["quant_kernel"]) == (choose_isa().isa, None)
 
 
 def test_throughput_serves_every_requested_token(tiny_llama_dir, tmp_path):
