@@ -29,6 +29,9 @@ class Limits:
     threads: int
     mem_read_gbps: float        # GB/s reading a large tensor once
     matmul_gflops: float        # dense matmul in the benchmark's dtype
+    # The widest ISA torch's own CPU kernels dispatch to ("AVX512", "AVX2", ...; ATEN_CPU_CAPABILITY
+    # can hold it lower): the peers' and torch kernels' figures depend on it.
+    torch_cpu_capability: str = ""
 
     def describe(self) -> str:
         return (f"{self.processor}, {self.threads} threads: memory read {self.mem_read_gbps:.1f} GB/s, "
@@ -57,4 +60,4 @@ def measure_limits(device: str = "cpu", dtype: torch.dtype = torch.float32, repe
     b = torch.randn(n, n, dtype=dtype, device=device)
     mm_s = _median_seconds(lambda: a @ b, max(3, repeats // 2), sync)
     return Limits(device, processor_name(device), torch.get_num_threads(), size / read_s / 1e9,
-                  2 * n**3 / mm_s / 1e9)
+                  2 * n**3 / mm_s / 1e9, torch.backends.cpu.get_cpu_capability())
