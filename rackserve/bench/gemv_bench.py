@@ -25,7 +25,8 @@ def random_weight(qtype: str, rows: int, cols: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     head, size = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q8_0": (2, 34)}[qtype]
     blocks = rng.integers(0, 256, (rows, cols // GROUP, size), dtype=np.uint8)
-    blocks[..., :head] = (rng.standard_normal((rows, cols // GROUP, head // 2)) * 0.01).astype(np.float16).view(np.uint8)
+    scales = (rng.standard_normal((rows, cols // GROUP, head // 2)) * 0.01).astype(np.float16)
+    blocks[..., :head] = scales.view(np.uint8)
     return from_gguf(qtype, blocks.reshape(rows, -1))
 
 

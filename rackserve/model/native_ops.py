@@ -1,7 +1,7 @@
 """Ops of the native CPU library (csrc/, built by native.py) for float32 CPU tensors, each with the
 plain-torch form it replaces, which runs wherever the library does not (another dtype or device,
-a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py, and the
-fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
+a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py,
+and the fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
 attention reading the paged KV cache in place), each a Python dispatch less that a batch-1
 decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the

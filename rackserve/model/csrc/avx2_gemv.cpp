@@ -110,8 +110,9 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
       s = t = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j)), a = _mm256_abs_epi8(v);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), ones));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones));
+        const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v), sr = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sq), ones));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sr), ones));
       }
     } else {
       // 4-bit codes: the 8 int16 pair sums of a block stay under 8 * 2 * 15 * 127 < 2^15, so they
