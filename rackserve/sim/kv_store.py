@@ -23,7 +23,7 @@ from rackserve.kv_transfer.multi_connector import MultiKVConnectorOutput
 from rackserve.kv_transfer.mooncake_store_connector import MooncakeStoreConnectorScheduler
 from rackserve.kv_transfer.offloading_connector import OffloadingConnectorScheduler, OffloadingMetadata
 from rackserve.sim.kv_pool import KVPool
-from rackserve.sim.transfer import POLL_SECONDS, TransferRecord
+from rackserve.sim.transfer import POLL_SECONDS, TransferRecord, split_landed
 
 CONNECTOR = "SimMooncakeStoreConnector"
 _POOLS: dict[str, "SimStore"] = {}      # master_server_address -> the store, as Mooncake's master names one
@@ -103,10 +103,7 @@ class SimStoreTransfer:
     def finished(self, dp_rank: int, step_end: float) -> KVConnectorOutput:
         """Loads that ended by the step's end; the blocks it computed, now in the pool."""
         out = KVConnectorOutput()
-        keep = []
-        for end, req_id in self.loading[dp_rank]:
-            (out.finished_recving.add(req_id) if end <= step_end else keep.append((end, req_id)))
-        self.loading[dp_rank] = keep
+        out.finished_recving, self.loading[dp_rank] = split_landed(self.loading[dp_rank], step_end)
         if self.stored[dp_rank]:
             self.store.pool.offer(self.stored[dp_rank])
             out.stored_hashes, self.stored[dp_rank] = self.stored[dp_rank], []

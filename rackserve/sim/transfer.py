@@ -29,6 +29,12 @@ POLL_SECONDS = 0.005     # an idle step waiting on a peer whose read has not sta
 SIDE_CHANNEL_PORTS = {"kv_producer": 10000, "kv_consumer": 40000}
 
 
+def split_landed(loading: list[tuple[float, str]], step_end: float) -> tuple[set[str], list[tuple[float, str]]]:
+    """The requests whose (end, request) load ended by `step_end`, and the loads still running."""
+    return ({req_id for end, req_id in loading if end <= step_end},
+            [(end, req_id) for end, req_id in loading if end > step_end])
+
+
 def pd_instance(config: EngineConfig, role: str, index: int) -> tuple[EngineConfig, list[tuple[str, int]]]:
     """Instance `index` of a P/D pool: its config with the MooncakeConnector of its role (its own
     engine id and side channel ports: the address a decoder's pull names; nothing listens), and
@@ -98,10 +104,7 @@ class SimTransfer:
     def finished(self, dp_rank: int, step_end: float) -> KVConnectorOutput:
         """Transfers that ended by the end of this step, as the worker half reports them."""
         out = KVConnectorOutput()
-        keep = []
-        for end, req_id in self.loading[dp_rank]:
-            (out.finished_recving.add(req_id) if end <= step_end else keep.append((end, req_id)))
-        self.loading[dp_rank] = keep
+        out.finished_recving, self.loading[dp_rank] = split_landed(self.loading[dp_rank], step_end)
         reads = self.fabric.reads.get(self.addresses[dp_rank], [])
         done = [(end, req_id) for end, req_id in reads if end <= step_end]
         if done:
