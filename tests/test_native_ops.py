@@ -99,3 +99,18 @@ def test_each_build_holds_its_own_isa_and_none_wider(isa):
     code = subprocess.run(["objdump", "-d", build_library(isa)], capture_output=True, text=True, check=True).stdout
     assert {"avx512": "vpdpbusd", "avx2": "vpmaddubsw"}[isa] in code
     assert isa == "avx512" or not re.search(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b", code)
+
+
+def test_paged_decode_attention_softmax_over_a_long_spread_context():
+    # 300 tokens over 38 blocks of 8 in reverse order, scores spread over ~100: the softmax's exp
+    # runs over its whole range (its smallest terms underflow to 0, as torch's do).
+    heads, kv_heads, hd, bs, n = 4, 1, 32, 8, 300
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(40, bs, kv_heads, hd, generator=g), torch.randn(40, bs, kv_heads, hd, generator=g)
+    table = list(range(39, 1, -1))
+    q = torch.randn(1, heads, hd, generator=g) * 3
+    out = native_ops.paged_decode_attention(q, k_cache, v_cache, torch.tensor(table), torch.tensor([n]), 1.0)
+    k, v = k_cache[table].flatten(0, 1)[:n, 0], v_cache[table].flatten(0, 1)[:n, 0]
+    scores = q[0] @ k.T
+    assert float(scores.max() - scores.min()) > 60
+    torch.testing.assert_close(out.view(heads, hd), scores.softmax(-1) @ v, rtol=1e-5, atol=1e-5)

@@ -30,6 +30,7 @@ from rackserve.model.attention import (CommonAttentionMetadata, Workspace, bind_
 from rackserve.model.compiled_layers import compile_decoder
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
+from rackserve.model.native_decode import native_decoder
 from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
 from rackserve.sampling_params import SamplingParams
 
@@ -113,6 +114,8 @@ class ModelRunner:
         self.transfer_reports = TPTransferReports(self.groups.tp.world_size)
         # Last, so that a background compile never races the KV cache's allocation.
         self.compiled = compile_decoder(self.model, config.compilation, self.device)
+        # Steps of decodes in one native call (model/native_decode.py), unless compiled graphs run them.
+        self.native_decoder = native_decoder(self.model) if self.compiled is None else None
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
@@ -154,6 +157,8 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         hidden = None if self.compiled is None else self.compiled.forward(inputs.input_ids, inputs.positions,
                                                                          inputs.attn_metadata)
+        if hidden is None and self.native_decoder is not None:
+            hidden = self.native_decoder.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if hidden is None:   # eager: no compile, a step too large, or its size still compiling
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         expert_counts = take_expert_token_counts(self.moe_layers)

@@ -44,10 +44,19 @@ inline __m512i to_int8(__m512 v, float d, int8_t* out) {
 // of the block's largest value, so that the products are those of the fp32 activations to ~1e-5
 // (one int8 part alone, llama.cpp's Q8 activations, leaves ~0.5% of an output's scale, which adds
 // up over a model's layers).
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+// Into the calling thread's own buffers, kept from call to call: seven fresh vectors a call were
+// about half of a small layer's time (a 576x576 weight at batch 1).
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t n = rows * (k / kGroup);
-  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(n),
-                    std::vector<float>(n), std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n)};
+  thread_local QuantizedRows out;
+  if (static_cast<int64_t>(out.q.size()) < rows * k) {
+    out.q.resize(rows * k);
+    out.r.resize(rows * k);
+  }
+  if (static_cast<int64_t>(out.dx.size()) < n) {
+    for (auto* v : {&out.dx, &out.dr, &out.fsum}) v->resize(n);
+    for (auto* v : {&out.qsum, &out.rsum}) v->resize(n);
+  }
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
@@ -133,7 +142,7 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  QuantizedRows xq = quantize_rows(x, rows, k);
+  const QuantizedRows& xq = quantize_rows(x, rows, k);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);

@@ -12,6 +12,8 @@ holds the kernel; this file must never read checkpoints.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -81,6 +83,11 @@ class VnniLinear(QuantizedLinear):
 
     def weight_bytes_per_token(self) -> int:
         return self.packed.numel()
+
+    def native_gemv(self) -> tuple[int, int]:
+        """(address of the C function that multiplies `packed`, output rows a tile): what the native
+        decode step (model/native_decode.py) calls for this weight."""
+        return ctypes.cast(self._lib.rs_vnni_gemv, ctypes.c_void_p).value, TILE
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32).contiguous()

@@ -1,0 +1,126 @@
+// The decode step of a dense Llama-style decoder in one call: every layer (RMSNorm with the
+// residual, fused qkv, RoPE, the KV cache write, paged attention, o_proj, RMSNorm, gate_up,
+// SiLU-and-mul, down) and the final norm, for a batch of single-token queries, with the ops of
+// this library and the packed weights' own GEMV. In Python each layer is ~30 dispatches and
+// ctypes calls around ~10 small native calls, which a batch-1 decode step of SmolLM2 paid more
+// for than for its attention. model/native_decode.py lays out the structs below once per model
+// (the pointers of every layer's weights and KV cache) and calls rs_decode_layers once per step;
+// the torch path computes the same (tests/test_native_decode.py). This file must never allocate
+// tensors nor decide when it runs: the caller passes every buffer.
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+int rs_add_rms_norm(const float* h, float* residual, const float* weight, float eps, int64_t rows, int64_t n,
+                    float* out);
+int rs_silu_and_mul(const float* gate_up, int64_t rows, int64_t n, float* out);
+int rs_rope_neox(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t head_dim, const float* cos,
+                 const float* sin);
+int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                              const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out);
+
+// A quantized GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs
+// whichever kernel packed the weights.
+typedef int (*RsGemv)(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, int kind,
+                      float* y, int threads);
+
+struct RsLinear {
+  RsGemv gemv;
+  const uint8_t* packed;
+  int64_t tiles;
+  int64_t width;            // output columns the GEMV writes per row (tiles * rows a tile): qkv's row
+                            // stride (o, gate_up and down have no padding: native_decode.supports)
+  int64_t kind;
+};
+
+struct RsDecoderLayer {
+  const float* input_norm;
+  const float* post_norm;
+  RsLinear qkv, o, gate_up, down;
+  float* k_cache;           // [blocks, block_size, kv_heads, head_dim]
+  float* v_cache;
+};
+
+struct RsDecoder {
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+  int64_t wide;             // the wider of a qkv and a gate_up output row
+  float eps, scale;
+  const RsDecoderLayer* layers;
+  const float* final_norm;
+};
+
+// What `seconds` (when not null) adds each op's time to, in this order.
+enum RsOp { kNorm, kQkv, kRopeKv, kAttention, kOProj, kGateUp, kAct, kDown, kNumOps };
+
+}  // extern "C"
+
+namespace {
+
+class Clock {
+ public:
+  explicit Clock(double* seconds) : seconds_(seconds), last_(now()) {}
+  void lap(RsOp op) {          // time since the last lap goes to op
+    if (seconds_ == nullptr) return;
+    const double t = now();
+    seconds_[op] += t - last_;
+    last_ = t;
+  }
+
+ private:
+  static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  double* seconds_;
+  double last_;
+};
+
+}  // namespace
+
+// residual [rows, hidden]: the embedded tokens in, clobbered; out [rows, hidden]: the final norm's
+// output. cos, sin [rows, head_dim] (sin's first half negated); slots [rows] the cache slot of each
+// row's token; tables [rows * width] block ids and lens [rows] the context each row attends to
+// (its own token included). scratch: rows * (2 * hidden + wide + heads * head_dim + intermediate)
+// floats. Returns 0, or -1 where a GEMV refused its arguments.
+extern "C" int rs_decode_layers(const RsDecoder* m, int64_t rows, float* residual, const float* cos, const float* sin,
+                                const int64_t* slots, const int64_t* tables, int64_t width, const int64_t* lens,
+                                float* scratch, float* out, int threads, double* seconds) {
+  const int64_t hidden = m->hidden, hd = m->head_dim, q_size = m->heads * hd, kv_size = m->kv_heads * hd;
+  float* normed = scratch;                  // [rows, hidden]
+  float* big = normed + rows * hidden;      // qkv, then gate_up: [rows, wide]
+  float* attn = big + rows * m->wide;       // [rows, heads * head_dim]
+  float* h = attn + rows * q_size;          // o_proj's, then down's output: [rows, hidden]
+  float* act = h + rows * hidden;           // [rows, intermediate]
+  Clock clock(seconds);
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const RsDecoderLayer& L = m->layers[l];
+    rs_add_rms_norm(l == 0 ? nullptr : h, residual, L.input_norm, m->eps, rows, hidden, normed);
+    clock.lap(kNorm);
+    if (L.qkv.gemv(normed, rows, hidden, L.qkv.packed, L.qkv.tiles, L.qkv.kind, big, threads)) return -1;
+    clock.lap(kQkv);
+    rs_rope_neox(big, rows, L.qkv.width, m->heads + m->kv_heads, hd, cos, sin);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* k = big + r * L.qkv.width + q_size;
+      std::memcpy(L.k_cache + slots[r] * kv_size, k, kv_size * sizeof(float));
+      std::memcpy(L.v_cache + slots[r] * kv_size, k + kv_size, kv_size * sizeof(float));
+    }
+    clock.lap(kRopeKv);
+    rs_paged_decode_attention(big, L.qkv.width, L.k_cache, L.v_cache, tables, width, lens, rows, m->heads, m->kv_heads,
+                              hd, m->block_size, m->scale, attn);
+    clock.lap(kAttention);
+    if (L.o.gemv(attn, rows, q_size, L.o.packed, L.o.tiles, L.o.kind, h, threads)) return -1;
+    clock.lap(kOProj);
+    rs_add_rms_norm(h, residual, L.post_norm, m->eps, rows, hidden, normed);
+    clock.lap(kNorm);
+    if (L.gate_up.gemv(normed, rows, hidden, L.gate_up.packed, L.gate_up.tiles, L.gate_up.kind, big, threads)) return -1;
+    clock.lap(kGateUp);
+    rs_silu_and_mul(big, rows, m->intermediate, act);
+    clock.lap(kAct);
+    if (L.down.gemv(act, rows, m->intermediate, L.down.packed, L.down.tiles, L.down.kind, h, threads)) return -1;
+    clock.lap(kDown);
+  }
+  rs_add_rms_norm(h, residual, m->final_norm, m->eps, rows, hidden, out);
+  clock.lap(kNorm);
+  return 0;
+}

@@ -1,0 +1,86 @@
+"""The native decode step (model/native_decode.py): a step of decodes through one native call gives
+the tokens and logprobs of the module path, and transformers' greedy tokens, on a tiny Llama GGUF
+kept packed (batched decodes of different lengths over scattered blocks, a padded qkv tile); and
+it stays off, with its reason, where an op has no native form. Skipped where the native library
+cannot run.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackserve.config import ModelConfig
+from rackserve.engine.llm import LLM
+from rackserve.executor import model_runner
+from rackserve.model import native_decode
+from rackserve.model.loader import load_model
+from rackserve.model.native import unavailable_reason
+from rackserve.sampling_params import SamplingParams
+from tests.test_model_gguf import write_gguf
+from tests.tiny_models import build_tiny_model, load_hf
+
+WHY_NOT = unavailable_reason()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9, 11, 300], [300, 12, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+# Different lengths, so that steps of 3, then 2, then 1 decode run; each request's blocks come
+# after the others' in the pool, so a batch's tables are never one run of blocks.
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (14, 6, 10)]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> tuple[str, object]:
+    """A tiny Llama whose qkv output (8 heads of 4 and one KV head: 40 rows) pads the last of vnni's
+    16-row tiles; o, gate_up and down fill theirs. HF's copy holds the dequantized weights."""
+    from gguf import GGMLQuantizationType as Q
+    root = tmp_path_factory.mktemp("native_decode")
+    hf_dir = build_tiny_model("LlamaForCausalLM", root / "hf", hidden_size=32, num_attention_heads=8,
+                              num_key_value_heads=1, head_dim=4, intermediate_size=96)
+    hf = load_hf(hf_dir)
+    return write_gguf(hf, str(root / "tiny.gguf"), "llama", [Q.Q4_1]), hf
+
+
+def _generate(path: str, native: bool, monkeypatch) -> tuple[list, int]:
+    """Token ids and logprobs of PROMPTS, and how many steps ran natively."""
+    steps = []
+    forward = native_decode.NativeDecoder.forward
+
+    def counted(self, *args):
+        out = forward(self, *args)
+        steps.append(out is not None)
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(native_decode.NativeDecoder, "forward", counted)
+        if not native:
+            m.setattr(model_runner, "native_decoder", lambda model: None)
+        with LLM(path, device="cpu", dtype="float32", num_gpu_blocks_override=32, block_size=4, max_model_len=64,
+                 skip_tokenizer_init=True, quantization="gguf") as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+            llm.engine.core.scheduler.check_integrity()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(steps)
+
+
+def test_native_decode_steps_match_the_module_path_and_transformers(tiny_gguf, monkeypatch):
+    path, hf = tiny_gguf
+    ours, native_steps = _generate(path, True, monkeypatch)
+    ref, none = _generate(path, False, monkeypatch)
+    assert none == 0 and native_steps == max(p.max_tokens for p in PARAMS) - 1, "every decode step ran natively"
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs):
+            assert step.keys() == ref_step.keys()
+            for token, lp in step.items():
+                assert abs(lp.logprob - ref_step[token].logprob) < 1e-4
+    with torch.inference_mode():
+        for (tokens, _), prompt, params in zip(ours, PROMPTS, PARAMS):
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=params.max_tokens, eos_token_id=None)
+            assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, tiny_qwen2_dir):
+    dense, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "float32", "cpu", None, 0))
+    assert "packed" in native_decode.supports(dense)
+    biased, _ = load_model(ModelConfig(tiny_qwen2_dir, "tiny", tiny_qwen2_dir, "float32", "cpu", None, 0))
+    assert "dense Llama" in native_decode.supports(biased)
