@@ -84,3 +84,21 @@ def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, 
     assert "packed" in native_decode.supports(dense)
     biased, _ = load_model(ModelConfig(tiny_qwen2_dir, "tiny", tiny_qwen2_dir, "float32", "cpu", None, 0))
     assert "dense Llama" in native_decode.supports(biased)
+
+
+def test_bench_forward_profile_splits_the_native_step_by_op(tiny_gguf):
+    from rackserve.bench.forward_steps import KINDS, ForwardPoint, Side, time_point
+    from rackserve.config import EngineArgs
+    from rackserve.executor.base import create_executor
+    config = EngineArgs(model=tiny_gguf[0], device="cpu", num_gpu_blocks_override=16, block_size=4,
+                        quantization="gguf").create_engine_config()
+    executor = create_executor(config)
+    try:
+        (timing,) = time_point([Side(executor, config)], ForwardPoint("decode", 2, 9, 1), 0.0, 1, seed=0, profile=True)
+    finally:
+        executor.shutdown()
+    assert list(timing.native_profile) == list(native_decode.OPS)
+    assert all(v > 0 for v in timing.native_profile.values()), timing.native_profile
+    # Inside the native call is attention, MLP and norms; embedding, lm_head and the rest are around it.
+    assert list(timing.profile) == list(KINDS) and all(v > 0 for v in timing.profile.values()), timing.profile
+    assert sum(timing.native_profile.values()) < 1

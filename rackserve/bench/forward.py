@@ -195,6 +195,8 @@ def _time_points(settings: list[Setting], points: list[ForwardPoint], limits: di
                 print("      profile: " + (", ".join(f"{k} {v:.0%}" for k, v in t.profile.items()) if t.profile
                                          else f"not available (executor {s.executor_name!r} runs the model outside "
                                               "this process)"))
+                if t.native_profile:
+                    print("      native decode step: " + ", ".join(f"{k} {v:.0%}" for k, v in t.native_profile.items()))
         for s, t in zip(settings[1:], timings[1:]):
             ratio = entry[f"{s.label.lower()}_over_a"] = {"tok_s": t.tok_s / timings[0].tok_s,
                                                           "median_step": t.median_s / timings[0].median_s}

@@ -236,9 +236,13 @@ class LayerKindProfiler:
 
     With a `timer` (a rank's CollectiveTimer) the time inside collectives, waits for peers
     included, leaves the kind it happened in (attention's o_proj all-reduce, the MoE layer's
-    all-to-alls, ...) for a kind of its own, "communication", as does the step's broadcast."""
+    all-to-alls, ...) for a kind of its own, "communication", as does the step's broadcast.
 
-    def __init__(self, model, device: str, timer: CollectiveTimer | None = None):
+    With a `native` decoder (model/native_decode.py: a step of decodes in one native call, which
+    no hook sees inside) its own per-op seconds go to the kinds (qkv_proj to o_proj: attention;
+    gate_up_proj to down_proj: mlp/moe), and `native_seconds` keeps them per op."""
+
+    def __init__(self, model, device: str, timer: CollectiveTimer | None = None, native: Any = None):
         import torch
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         self.timer = timer
@@ -258,6 +262,11 @@ class LayerKindProfiler:
                 self.seconds.setdefault(kind, 0.0)
                 self.handles += [module.register_forward_pre_hook(self._pre(kind)),
                                  module.register_forward_hook(self._post(kind))]
+        self.native = native
+        if native is not None:
+            from rackserve.model.native_decode import OPS
+            native.profile(True)
+            self.native_seconds = dict.fromkeys(OPS, 0.0)
 
     def _waited_now(self) -> float:
         return self.timer.seconds if self.timer is not None else 0.0
@@ -286,6 +295,10 @@ class LayerKindProfiler:
         waited, t0 = self._waited_now(), time.perf_counter()
         execute(scheduler_output)
         t1 = time.perf_counter()
+        if self.native is not None:
+            for op, seconds in zip(self.native_seconds, self.native.seconds):
+                self.seconds[_NATIVE_KINDS[op]] += seconds - self.native_seconds[op]
+                self.native_seconds[op] = seconds
         if self.lm_head_start is not None:
             self.seconds["lm_head+sampling"] += t1 - self.lm_head_start - (self._waited_now() - self._lm_head_waited)
         if self.timer is not None:
@@ -299,6 +312,13 @@ class LayerKindProfiler:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        if self.native is not None:
+            self.native.profile(False)
+
+
+# The kind of each op of the native decode step (model/native_decode.OPS), as the hooks count it.
+_NATIVE_KINDS = {"norm": "norm", "qkv_proj": "attention", "rope+kv_write": "attention", "attention": "attention",
+                 "o_proj": "attention", "gate_up_proj": "mlp/moe", "silu_and_mul": "mlp/moe", "down_proj": "mlp/moe"}
 
 
 class Side(NamedTuple):
@@ -314,6 +334,7 @@ class Timing:
     tokens_timed: int = 0       # total_num_scheduled_tokens summed over the timed SchedulerOutputs
     tokens_sampled: int = 0     # tokens the timed steps returned
     profile: dict[str, float] | None = None
+    native_profile: dict[str, float] | None = None      # shares of the step per native op, where one ran
 
     @property
     def median_s(self) -> float:
@@ -328,7 +349,7 @@ class Timing:
         return {"steps": len(self.step_s), "warmup_steps": self.warmup_steps, "tokens_timed": self.tokens_timed,
                 "tokens_sampled": self.tokens_sampled, "median_s": self.median_s, "p10_s": deciles[0],
                 "p90_s": deciles[-1], "min_s": min(self.step_s), "max_s": max(self.step_s), "tok_s": self.tok_s,
-                "profile": self.profile, "step_s": self.step_s}
+                "profile": self.profile, "native_profile": self.native_profile, "step_s": self.step_s}
 
 
 def _in_process_model(executor):
@@ -342,6 +363,11 @@ def _use_native_build(side: Side) -> None:
     if side.config.model.device == "cpu" and _in_process_model(side.executor) is not None:
         from rackserve.model import native_ops
         native_ops.use_isa(side.config.model.native_isa)
+
+
+def _in_process_native_decoder(executor):
+    from rackserve.executor.uniproc import UniProcExecutor
+    return executor.runner.native_decoder if isinstance(executor, UniProcExecutor) else None
 
 
 def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_steps: int,
@@ -374,7 +400,7 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
             model = _in_process_model(s.executor)
             if model is None:
                 continue
-            profiler = LayerKindProfiler(model, s.config.model.device)
+            profiler = LayerKindProfiler(model, s.config.model.device, native=_in_process_native_decoder(s.executor))
             _use_native_build(s)
             try:
                 for _ in range(PROFILE_STEPS):
@@ -382,6 +408,9 @@ def time_point(sides: list[Side], point: ForwardPoint, seconds: float, warmup_st
             finally:
                 profiler.remove()
             t.profile = profiler.shares()
+            if profiler.native is not None and any(profiler.native_seconds.values()):
+                total = sum(profiler.seconds.values())
+                t.native_profile = {op: v / total for op, v in profiler.native_seconds.items()}
     for s, ranks in zip(sides, steps):
         s.executor.execute_dp([rs.retire() for rs in ranks])
     return timings
