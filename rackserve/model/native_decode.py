@@ -85,7 +85,7 @@ def _linear(module: nn.Module) -> _Linear:
 
 
 class NativeDecoder:
-    """One model's native decode step. Holds the model (its tensors must outlive the pointers)."""
+    """One model's native decode step. Holds the model's body: its tensors must outlive the pointers."""
 
     def __init__(self, model: nn.Module):
         self.body = body = model.model
