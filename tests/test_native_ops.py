@@ -103,7 +103,8 @@ def test_each_build_holds_its_own_isa_and_none_wider(isa):
 
 def test_paged_decode_attention_softmax_over_a_long_spread_context():
     # 300 tokens over 38 blocks of 8 in reverse order, scores spread over ~100: the softmax's exp
-    # runs over its whole range (its smallest terms underflow to 0, as torch's do).
+    # runs over its whole range (its smallest terms underflow to 0, as torch's do, with denormals
+    # flushed inside the kernel and the caller's floating-point mode left as it was).
     heads, kv_heads, hd, bs, n = 4, 1, 32, 8, 300
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(40, bs, kv_heads, hd, generator=g), torch.randn(40, bs, kv_heads, hd, generator=g)
@@ -114,3 +115,4 @@ def test_paged_decode_attention_softmax_over_a_long_spread_context():
     scores = q[0] @ k.T
     assert float(scores.max() - scores.min()) > 60
     torch.testing.assert_close(out.view(heads, hd), scores.softmax(-1) @ v, rtol=1e-5, atol=1e-5)
+    assert float(torch.tensor(1e-39) * 1.0) > 0
