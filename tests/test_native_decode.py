@@ -14,7 +14,7 @@ from rackserve.engine.llm import LLM
 from rackserve.executor import model_runner
 from rackserve.model import native_decode
 from rackserve.model.loader import load_model
-from rackserve.model.native import unavailable_reason
+from rackserve.model.native import ISAS, unavailable_reason
 from rackserve.sampling_params import SamplingParams
 from tests.test_model_gguf import write_gguf
 from tests.tiny_models import build_tiny_model, load_hf
@@ -40,7 +40,7 @@ def tiny_gguf(tmp_path_factory) -> tuple[str, object]:
     return write_gguf(hf, str(root / "tiny.gguf"), "llama", [Q.Q4_1]), hf
 
 
-def _generate(path: str, native: bool, monkeypatch) -> tuple[list, int]:
+def _generate(path: str, native: bool, monkeypatch, isa: str) -> tuple[list, int]:
     """Token ids and logprobs of PROMPTS, and how many steps ran natively."""
     steps = []
     forward = native_decode.NativeDecoder.forward
@@ -54,16 +54,20 @@ def _generate(path: str, native: bool, monkeypatch) -> tuple[list, int]:
         if not native:
             m.setattr(model_runner, "native_decoder", lambda model: None)
         with LLM(path, device="cpu", dtype="float32", num_gpu_blocks_override=32, block_size=4, max_model_len=64,
-                 skip_tokenizer_init=True, quantization="gguf") as llm:
+                 skip_tokenizer_init=True, quantization="gguf", native_isa=isa) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
             llm.engine.core.scheduler.check_integrity()
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(steps)
 
 
-def test_native_decode_steps_match_the_module_path_and_transformers(tiny_gguf, monkeypatch):
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def test_native_decode_steps_match_the_module_path_and_transformers(tiny_gguf, monkeypatch, isa):
+    # Each build: its GEMV (vnni's 16-row tiles, which the 40-row qkv pads; avx2's 8-row ones) and
+    # its own compile of the loop and the attention.
     path, hf = tiny_gguf
-    ours, native_steps = _generate(path, True, monkeypatch)
-    ref, none = _generate(path, False, monkeypatch)
+    ours, native_steps = _generate(path, True, monkeypatch, isa)
+    ref, none = _generate(path, False, monkeypatch, isa)
     assert none == 0 and native_steps == max(p.max_tokens for p in PARAMS) - 1, "every decode step ran natively"
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref):
         assert tokens == ref_tokens

@@ -85,7 +85,6 @@ def test_paged_decode_attention_reads_scattered_blocks_in_place():
                                              torch.tensor(lens), 0.25) is None
 
 
-
 def test_each_build_holds_its_own_isa_and_none_wider(isa):
     # An AVX-512 machine runs the avx2 build either way; on a Zen a single zmm, mask-register or
     # xmm16+ instruction in it would be SIGILL. The disassembly is what a Zen would execute.

@@ -87,7 +87,7 @@ class VnniLinear(QuantizedLinear):
     def native_gemv(self) -> tuple[int, int]:
         """(address of the C function that multiplies `packed`, output rows a tile): what the native
         decode step (model/native_decode.py) calls for this weight."""
-        return ctypes.cast(self._lib.rs_vnni_gemv, ctypes.c_void_p).value, TILE
+        return ctypes.cast(self._gemv, ctypes.c_void_p).value, self.tile
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32).contiguous()
