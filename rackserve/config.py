@@ -28,7 +28,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False   # token ids in and out only: no tokenizer is loaded
     quantization: str = "none"      # "gguf": a GGUF's Q4_0/Q4_1/Q8_0 linears stay packed; "none": dequantized
     dtype_reason: str = "given by --dtype"     # why this dtype, for the startup log
-    quant_kernel: str = "auto"      # kernel of the packed linears: "vnni" | "avx2" | "int4" (quant/); "auto": chosen at load
+    quant_kernel: str = "auto"      # packed linears' kernel: "vnni" | "avx2" | "int4" (quant/); "auto": at load
     quant_kernel_reason: str = ""   # why that kernel, for the startup log
     native_isa: str = "auto"        # build of the native library: "avx512" | "avx2" | "none" (model/native.py)
     native_isa_reason: str = ""     # why that build, for the startup log
