@@ -4,10 +4,12 @@ Native bf16 means AMX (amx_bf16) or AVX512-BF16 (avx512_bf16): there a bf16 matm
 times faster than fp32 and reads half the bytes. Without them (AMD Zen 2/3, Intel before Cooper
 Lake) bf16 is emulated by conversions and runs slower than fp32, so fp32 is the choice. The choice
 is a pure function of the flags the CPU reports, so it is tested from given flags. This file owns
-that rule; it must never import torch or read anything but /proc/cpuinfo.
+that rule and reading what the CPU says of itself (its flags, its model name, for every results
+file and calibration key); it must never import torch or read anything but /proc/cpuinfo.
 """
 from __future__ import annotations
 
+import platform
 from typing import NamedTuple
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -30,6 +32,16 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name ("model name" in /proc/cpuinfo), else what `platform` reports."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open(cpuinfo) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        return name
 
 
 def choose_cpu_dtype(flags: frozenset[str] | set[str]) -> DtypeChoice:

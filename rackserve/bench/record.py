@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from typing import Any
 
-from rackserve.cpu_dtype import cpu_flags
+from rackserve.cpu_dtype import cpu_flags, cpu_model_name
 
 
 def cpu_name() -> str:
     """The CPU model and its wide-vector features (the same project runs on AMD Zen without
     AVX-512 and on Xeons with AMX, and a figure means little without knowing which)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    name = cpu_model_name()
     flags = cpu_flags()
     features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(features)})" if features else name

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import zlib
 
+from rackserve.cpu_dtype import cpu_model_name
 from rackserve.sim.hardware import Hardware
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "calibration")
@@ -35,13 +35,7 @@ FORWARD_SECONDS = 1.0       # timed per point: medians of 5-40 steps
 
 def processor() -> str:
     """The CPU's model name and logical CPU count (what bench forward's threads default to)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name} x{os.cpu_count()}"
+    return f"{cpu_model_name()} x{os.cpu_count()}"
 
 
 def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
