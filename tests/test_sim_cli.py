@@ -154,7 +154,12 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     # What the engine ran, as bench forward recorded it: no packed kernel; decodes padded unless native.
     assert calibration["spec"]["quant_kernel"] is None and calibration["spec"]["dequantize_above_tokens"] is None
     assert calibration["pads_decodes"] is not calibration["spec"]["native_decode_attention"]
-    assert calibration["spec"]["native_decode_attention"] is calibration["key"]["native_ops"]
+    assert calibration["spec"]["native_decode_attention"] is (calibration["key"]["native_isa"] != "none")
+    # The code that ran, read from the engine: its native build, its step path's files; no native
+    # decode step for unpacked weights.
+    code = calibration["engine_code"]
+    assert code["native_decode_step"] is False and "rackserve/executor/model_runner.py" in code["files"]
+    assert (code["native_library"] is None) is (calibration["key"]["native_isa"] == "none")
     assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {
         (1, 1), (4, 1), (16, 1), (1, 256), (4, 256), (1, 64), (2, 64)}
     assert all(m["measured_s"] > 0 and m["simulated_s"] > 0 for m in calibration["measured"])

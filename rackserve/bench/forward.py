@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from rackserve.bench.engine_code import engine_code, runner_native_decode
 from rackserve.bench.engine_kernels import engine_kernels
 from rackserve.bench.forward_steps import ForwardPoint, ModelCost, Side, Timing, model_cost, time_point
 from rackserve.config import EngineArgs, EngineConfig
@@ -236,6 +237,8 @@ def run_forward(args: argparse.Namespace) -> int:
         results = _time_points(settings, points, limits, args)
         load.append(os.getloadavg()[0])
         print(f"1-minute load average {load[0]:.1f} before, {load[1]:.1f} after, on {os.cpu_count()} CPUs")
+        # The code that computed these steps (the simulator reuses a calibration only while it is unchanged).
+        code = {s.label: engine_code(s.config.model.native_isa, runner_native_decode(s.executor)) for s in settings}
     finally:
         for s in settings:
             s.executor.shutdown()
@@ -245,7 +248,8 @@ def run_forward(args: argparse.Namespace) -> int:
                                      "device": s.config.model.device, "block_size": s.config.cache.block_size,
                                      "num_kv_blocks": s.executor.num_kv_blocks, "cost": dataclasses.asdict(s.cost),
                                      "kv_cache_groups": _kv_groups(s.executor),
-                                     "kernels": engine_kernels(s.config.model, s.config.cache.cache_dtype)}
+                                     "kernels": engine_kernels(s.config.model, s.config.cache.cache_dtype),
+                                     "engine_code": code[s.label]}
                            for s in settings},
               "limits": {label: vars(lim) for label, lim in limits.items()}, "load_average": load, "points": results,
               "command": "rackserve " + " ".join(sys.argv[1:]), "machine": platform.processor() or platform.machine()}

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Sequence
 
+from rackserve.bench.engine_code import engine_code, runner_native_decode
 from rackserve.bench.engine_kernels import engine_kernels
 from rackserve.config import EngineArgs, EngineConfig
 from rackserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -82,12 +83,14 @@ def trace(args: argparse.Namespace, levels: list[int]) -> dict:
         return executors[-1]
 
     result = simulate(args, levels, executor_factory=timed)
+    native_decode = runner_native_decode(executors[0].real) if executors else None
     for executor, run in zip(executors, result["runs"], strict=True):
         executor.shutdown()
         run["steps"] = executor.steps
     result["label"] = args.label or f"step trace: {args.model} executed, virtual clock"
     result["step_trace"] = {"engine": dataclasses.asdict(engine_args),
-                            "kernels": engine_kernels(real_config.model, real_config.cache.cache_dtype)}
+                            "kernels": engine_kernels(real_config.model, real_config.cache.cache_dtype),
+                            "engine_code": engine_code(real_config.model.native_isa, native_decode)}
     return result
 
 

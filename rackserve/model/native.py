@@ -62,6 +62,19 @@ def missing_cpu_flags(flags: frozenset[str] | set[str] | None = None, isa: str =
 
 
 @functools.cache
+def library_digest(isa: str) -> str:
+    """What names `isa`'s library: a hash of its sources, its flags and the compiler's version, so it
+    changes whenever the code that would be built does (the simulator keys CPU calibrations by it)."""
+    cxx = compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout if cxx else ""
+    digest = hashlib.sha256(repr(((*CXX_FLAGS, *ISAS[isa].cxx_flags), version)).encode())
+    for source in sources(isa):
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
 def build_library(isa: str = "avx512", cache_dir: str = CACHE_DIR) -> str:
     """The path of `isa`'s compiled library, built on first use; raises RuntimeError with the
     compiler's message when it fails."""
@@ -69,12 +82,7 @@ def build_library(isa: str = "avx512", cache_dir: str = CACHE_DIR) -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
     flags = (*CXX_FLAGS, *ISAS[isa].cxx_flags)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(repr((flags, version)).encode())
-    for source in sources(isa):
-        with open(source, "rb") as f:
-            digest.update(f.read())
-    path = os.path.join(cache_dir, f"rackserve-native-{isa}-{digest.hexdigest()[:16]}.so")
+    path = os.path.join(cache_dir, f"rackserve-native-{isa}-{library_digest(isa)}.so")
     if os.path.exists(path):
         return path
     tmp = f"{path}.{os.getpid()}.tmp"       # processes building at once each rename a whole file

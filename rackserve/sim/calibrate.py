@@ -26,7 +26,7 @@ from rackserve.sim.model_spec import ModelSpec, load_model_spec
 
 CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
 FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
-RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands")   # how a file was made
+RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands", "engine_code")   # how a file was made
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 FIRST_STEPS = 3
 TRACE_POINTS = 120          # steps of a trace in a fit: enough to cover its mix, few enough to fit in seconds
@@ -181,10 +181,11 @@ def fit_forward_results(results: Sequence[dict], model: str, source: str,
 
 
 def save(path: str, hw: Hardware, as_measured: dict, measured: list[dict], held_out: list[dict],
-         command: list[str], key: dict | None = None, serve: dict | None = None) -> None:
+         command: list[str], key: dict | None = None, serve: dict | None = None,
+         engine_code: dict | None = None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    record = {**hw.to_json(), "spec": as_measured, "key": key, "measured": measured, "held_out": held_out,
-              "serve": serve, "command": command}
+    record = {**hw.to_json(), "spec": as_measured, "key": key, "engine_code": engine_code, "measured": measured,
+              "held_out": held_out, "serve": serve, "command": command}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
@@ -238,12 +239,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  serve_slowdown=serve["slowdown"])
         print(f"serving path: the model's steps x {serve['slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a "
               f"step + {serve['seq_seconds'] * 1e3:.2f} ms a streamed sequence")
-    key = None
+    key = code = None
     if args.key:
+        from rackserve.bench.engine_code import merged
         from rackserve.sim.cpu_device import serve_key
         key = serve_key(args.model)
+        # Keyed only to the code that measured it, still the code here (else refused: re-measure).
+        code = merged([r["settings"]["A"].get("engine_code") for r in results]
+                      + [t["step_trace"].get("engine_code") for t in traces])
     save(args.output, hw, as_measured, measured, held_out,
-         ["python", "-m", "rackserve.sim.calibrate", *(argv if argv is not None else sys.argv[1:])], key, serve)
+         ["python", "-m", "rackserve.sim.calibrate", *(argv if argv is not None else sys.argv[1:])], key, serve, code)
     print(f"wrote {args.output}")
     return 0
 

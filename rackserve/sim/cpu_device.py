@@ -4,7 +4,9 @@ quantization `rackserve serve` would run, found among the saved ones or measured
 A calibration is keyed by what makes its step times true: the processor (model name and logical
 CPUs), the model, the dtype, the quantization and the kernels (resolved as `rackserve serve`
 resolves them: auto dtype by the CPU's flags, a GGUF's weights kept packed, the packed kernel
-`--quant-kernel auto` picks, whether the native library's ops run). `rackserve sim --hardware cpu` looks
+`--quant-kernel auto` picks, the native library's build), and it is reused only while the code that
+computed its steps is unchanged (its engine_code record, bench/engine_code.py: the native library's
+digest, the step path's Python files, the native decode step's use). `rackserve sim --hardware cpu` looks
 in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
 sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
 context 256-2048, prefill of 256 tokens at batch 1 and 4 and of 64 at batch 1 and 2; a second
@@ -44,19 +46,23 @@ def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
     from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
     if quantization not in (None, "auto", "gguf", "none"):
         raise ValueError(f"--quantization {quantization} on cpu: rackserve serve runs gguf or none here")
-    from rackserve.model.native import unavailable_reason
+    from rackserve.model.native import resolve_native_isa
     from rackserve.model.quant.kernel_choice import resolve_quant_kernel
     path = resolve_model_path(model)
     quant = resolve_quantization(quantization or "auto", path)
-    # The kernels serve would choose here (its --quant-kernel auto, and whether the native library's
-    # ops run): a calibration measured with others prices steps that no longer run.
+    # The kernels serve would choose here (its --quant-kernel auto, its --native-isa auto build): a
+    # calibration measured with others prices steps that no longer run. Whether their code is still
+    # the code here is the calibration's "engine_code" record (bench/engine_code.py), checked by find.
     kernel = resolve_quant_kernel("auto", quant, "cpu").name if quant == "gguf" else None
     return {"processor": processor(), "model": model, "dtype": resolve_dtype("auto", "cpu")[0], "quantization": quant,
-            "quant_kernel": kernel, "native_ops": unavailable_reason() is None}
+            "quant_kernel": kernel, "native_isa": resolve_native_isa("auto", "cpu").isa}
 
 
 def find(key: dict[str, str], directories: list[str]) -> str | None:
-    """The first saved calibration whose key is `key`."""
+    """The first saved calibration whose key is `key` and whose steps ran the code here now (its
+    engine_code record unchanged: a calibration measured before an edit to the step path's code or
+    its native sources, or without the record, is never reused)."""
+    from rackserve.bench.engine_code import unchanged
     for directory in directories:
         if not os.path.isdir(directory):
             continue
@@ -66,8 +72,9 @@ def find(key: dict[str, str], directories: list[str]) -> str | None:
             path = os.path.join(directory, name)
             try:
                 with open(path) as f:
-                    if json.load(f).get("key") == key:
-                        return path
+                    saved = json.load(f)
+                if saved.get("key") == key and unchanged(saved.get("engine_code")):
+                    return path
             except (OSError, ValueError):
                 continue    # a file being written by another run, or not a calibration
     return None
@@ -103,11 +110,13 @@ def calibrate_now(key: dict[str, str], directory: str) -> str:
         for path in paths:
             with open(path) as f:
                 results.append(json.load(f))
+    from rackserve.bench.engine_code import merged
     hw, as_measured, measured = fit_forward_results(results, key["model"], "measured at run time by rackserve sim")
+    code = merged([r["settings"]["A"].get("engine_code") for r in results])
     os.makedirs(directory, exist_ok=True)
     safe = "".join(c if c.isalnum() else "-" for c in f"{key['model']}-{key['dtype']}-{key['quantization']}")
     path = os.path.join(directory, f"cpu-{safe}-{zlib.crc32(key['processor'].encode()):08x}.json")
-    save(path, hw, as_measured, measured, [], ["rackserve", "sim", "--hardware", "cpu"], key)
+    save(path, hw, as_measured, measured, [], ["rackserve", "sim", "--hardware", "cpu"], key, engine_code=code)
     print(f"rackserve sim: saved the cpu calibration to {path}", file=sys.stderr)
     return path
 

@@ -1,0 +1,61 @@
+"""A cpu calibration is reused only while the code that computed its steps is the code here:
+bench/engine_code.py's record (the step path's files and the native build) and cpu_device.find."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rackserve.bench import engine_code
+from rackserve.sim import cpu_device
+
+
+def _record(files: list[str], library: str | None = None) -> dict:
+    return {"native_library": library, "native_decode_step": True, "files": files,
+            "digest": engine_code._files_digest(files)}
+
+
+def test_an_edit_to_a_file_that_ran_or_another_native_build_makes_the_record_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_code, "_ROOT", str(tmp_path))
+    (tmp_path / "layer.py").write_text("x = 1\n")
+    (tmp_path / "runner.py").write_text("y = 2\n")
+    record = _record(["layer.py", "runner.py"])
+    assert engine_code.unchanged(record)
+    (tmp_path / "unrelated.py").write_text("z = 3\n")            # a file the engine never loaded
+    assert engine_code.unchanged(record)
+    (tmp_path / "layer.py").write_text("x = 10\n")
+    assert not engine_code.unchanged(record)
+    (tmp_path / "layer.py").write_text("x = 1\n")
+    (tmp_path / "runner.py").unlink()
+    assert not engine_code.unchanged(record)
+    assert not engine_code.unchanged(None) and not engine_code.unchanged({**record, "files": []})
+    # A native library of other sources, flags or compiler than what would be built here now.
+    (tmp_path / "runner.py").write_text("y = 2\n")
+    assert not engine_code.unchanged(_record(["layer.py"], "avx512-0000000000000000"))
+    # Records of several processes merge only when they ran the same engine.
+    assert engine_code.merged([_record(["layer.py"]), _record(["runner.py"])])["files"] == ["layer.py", "runner.py"]
+    with pytest.raises(ValueError, match="different engines"):
+        engine_code.merged([_record(["layer.py"]), {**_record(["layer.py"]), "native_decode_step": False}])
+    with pytest.raises(ValueError, match="predates"):
+        engine_code.merged([_record(["layer.py"]), None])
+
+
+def test_this_process_records_the_step_path_it_loaded():
+    import rackserve.executor.model_runner  # noqa: F401  (the engine's modules, as after a run)
+    record = engine_code.engine_code("none", None)
+    assert "rackserve/executor/model_runner.py" in record["files"] and "rackserve/model/native.py" in record["files"]
+    assert not any(f.startswith("rackserve/sim/") for f in record["files"])
+    assert engine_code.unchanged(record)
+
+
+def test_find_skips_a_calibration_whose_code_changed(tmp_path, monkeypatch):
+    key = {"processor": "p", "model": "m"}
+    (tmp_path / "src.py").write_text("a = 1\n")
+    monkeypatch.setattr(engine_code, "_ROOT", str(tmp_path))
+    saved = tmp_path / "cal"
+    saved.mkdir()
+    (saved / "old.json").write_text(json.dumps({"key": key}))                   # no record: never reused
+    (saved / "new.json").write_text(json.dumps({"key": key, "engine_code": _record(["src.py"])}))
+    assert cpu_device.find(key, [str(saved)]) == str(saved / "new.json")
+    (tmp_path / "src.py").write_text("a = 2\n")
+    assert cpu_device.find(key, [str(saved)]) is None
