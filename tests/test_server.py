@@ -319,3 +319,18 @@ def test_vllm_extra_sampling_fields_reach_the_engine(client):
     # With every id a stop token, the first token ends the request.
     stopped = complete(temperature=0.0, extra={"stop_token_ids": list(range(VOCAB))})
     assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] in range(VOCAB)
+
+
+def test_the_front_path_probe_measures_what_the_client_waits_beyond_the_engine(server):
+    """bench/front_path.py, one request at a time: the client's TTFT less the server's own (its
+    time_to_first_token histogram, from the engine's arrival) is the front path (HTTP, template,
+    tokenizer, the first chunk back): positive and below the client's TTFT; fitted as a + b x tokens."""
+    import asyncio
+
+    from rackserve.bench.front_path import fit, probe
+    points = asyncio.run(probe(server.url, MODEL, ["alpha", "beta", "gamma"], lengths=(8, 200), repeats=2))
+    assert len(points) == 4 and all(0 < p["server_ttft_s"] < p["client_ttft_s"] for p in points)
+    assert all(p["front_s"] == pytest.approx(p["client_ttft_s"] - p["server_ttft_s"]) for p in points)
+    assert points[1]["prompt_tokens"] > points[0]["prompt_tokens"] >= 8
+    a, b = fit(points)
+    assert a >= 0 and b >= 0 and a + b * points[1]["prompt_tokens"] < max(p["client_ttft_s"] for p in points)

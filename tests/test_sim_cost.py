@@ -173,28 +173,37 @@ def test_serving_path_costs_a_step_and_each_streamed_sequence():
 
 
 def test_serving_path_is_measured_from_a_random_workload_run():
-    """The median gap between streamed chunks at concurrency c = slowdown x the model's decode step
-    for c sequences + a + b c (a few long gaps, other requests' prompt chunks, do not move it), and
-    the TTFT of one request at a time = slowdown x its prompt's chunks + a a chunk: the fit finds
-    the slowdown, a and b; an agentx run (think times: the batch is unknown) is refused."""
+    """The median gap between streamed chunks at concurrency c = d x the model's decode step for c
+    sequences + a (a few long gaps, other requests' prompt chunks, do not move it), and the TTFT of
+    one request at a time = the front path + slowdown x its prompt's chunks + a a chunk: the fit finds
+    the decode slowdown d, the prefill slowdown apart from it, and a; the cost model then prices a
+    step of decodes with d and a step with a prompt chunk with the other; an agentx run (think times:
+    the batch is unknown) is refused."""
+    import dataclasses
+
     from rackserve.sim.serve_path import measure_serve_path
     spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
     cpu = load_hardware("cpu")
     model = CostModel(spec, cpu)
     prefill = model.step([[SeqWork(512, 0, False)]]).seconds + model.step([[SeqWork(512, 512, True)]]).seconds
+    front = (0.012, 3e-6)
     runs = []
-    for c in (1, 2, 4, 8, 16):
-        step = 1.3 * model.step([[SeqWork(1, 1024 + 64)] * c]).seconds + 0.002 + 0.0035 * c
+    for c in (1, 2, 4, 8):
+        step = 0.9 * model.step([[SeqWork(1, 1024 + 64)] * c]).seconds + 0.002
         gaps = [step] * 100 + [2.0] * 10    # ten steps stretched by prompt chunks
         chunks = [sum(gaps[:i]) for i in range(len(gaps) + 1)]
         requests = [{"kind": "main", "error": None, "prompt_tokens": 1024, "output_tokens": 128,
                      "chunk_times": chunks}] * 3
-        ttft = 1.3 * prefill + 2 * 0.002
+        ttft = front[0] + front[1] * 1024 + 1.3 * prefill + 2 * 0.002
         runs.append({"concurrency": c, "summary": {"itl": {"p50": 0.0}, "ttft": {"p50": ttft}}, "requests": requests})
-    found = measure_serve_path({"workload": "random", "runs": runs}, spec, cpu)
+    found = measure_serve_path({"workload": "random", "runs": runs}, spec, cpu, front)
     assert found["slowdown"] == pytest.approx(1.3, rel=1e-3)
+    assert found["decode_slowdown"] == pytest.approx(0.9, rel=1e-3)
     assert found["step_seconds"] == pytest.approx(0.002, abs=1e-5)
-    assert found["seq_seconds"] == pytest.approx(0.0035, rel=1e-3)
+    served = dataclasses.replace(cpu, serve_slowdown=1.3, serve_decode_slowdown=0.9)
+    decodes, mixed = [SeqWork(1, 500)] * 4, [SeqWork(1, 500)] * 3 + [SeqWork(64, 0, False)]
+    assert CostModel(spec, served).step([decodes]).seconds == pytest.approx(0.9 * model.step([decodes]).seconds)
+    assert CostModel(spec, served).step([mixed]).seconds == pytest.approx(1.3 * model.step([mixed]).seconds)
     with pytest.raises(ValueError, match="random workload"):
         measure_serve_path({"workload": "agentx", "runs": runs}, spec, cpu)
 

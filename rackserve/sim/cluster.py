@@ -149,8 +149,9 @@ class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
     def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float],
-                 vocab_size: int, template: TemplateTokens = TemplateTokens()):
+                 vocab_size: int, template: TemplateTokens = TemplateTokens(), front: tuple[float, float] = (0.0, 0.0)):
         self.instances, self.router, self.clock = instances, router, clock
+        self.front = front      # the serving front path: (seconds a request, seconds a prompt token)
         self.tokens = Tokens(vocab_size, template)
         self._ids = itertools.count()
         self.prefill: list[SimInstance] = []
@@ -165,6 +166,8 @@ class SimClient:
     async def send(self, messages: list[dict[str, str]], record: RequestRecord) -> RequestRecord:
         token_ids = self.tokens.encode(messages)
         record.start = self.clock()
+        if self.front != (0.0, 0.0):     # HTTP, template and tokenizer before the engine sees it
+            await asyncio.sleep(self.front[0] + self.front[1] * len(token_ids))
         if self.prefill:
             await self._disaggregated(token_ids, record)
         else:

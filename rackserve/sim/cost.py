@@ -215,5 +215,8 @@ class CostModel:
         streamed = max(sum(1 for w in b if w.samples) for b in batches)
         fixed = self.hw.step_overhead + s.num_layers * self.hw.layer_overhead
         serving = self.hw.serve_step_overhead + streamed * self.hw.serve_seq_overhead
-        model = (seconds + fixed + sequences * self.hw.seq_overhead) * self.hw.serve_slowdown
+        decodes = all(w.new_tokens == 1 for b in batches for w in b)
+        slowdown = (self.hw.serve_decode_slowdown if decodes and self.hw.serve_decode_slowdown is not None
+                    else self.hw.serve_slowdown)
+        model = (seconds + fixed + sequences * self.hw.seq_overhead) * slowdown
         return StepCost(model + serving, ranks)

@@ -33,8 +33,14 @@ class Hardware:
     serve_step_overhead: float = 0.0   # seconds per step
     serve_seq_overhead: float = 0.0    # seconds per sequence that streams a token that step
     # A served step's model time over bench forward's for the same batch: the serving path's threads
-    # and the client take cores from the model's threads while it runs (1 on GPUs).
+    # and the client take cores from the model's threads while it runs (1 on GPUs). Steps of decodes
+    # alone share the cores otherwise than steps with a prompt chunk: their own factor (None: the same).
     serve_slowdown: float = 1.0
+    serve_decode_slowdown: float | None = None
+    # A request's front path outside the engine (HTTP, the chat template, tokenization, the first
+    # chunk's SSE): seconds a request + seconds a prompt token, measured by bench/front_path.py.
+    serve_request_overhead: float = 0.0
+    serve_prompt_token_overhead: float = 0.0
     # The attention backend pads a step's decodes to the longest one's context (model/
     # torch_attention.py on a CPU: one gathered, masked batch), so each decode costs the longest
     # context; GPU paged kernels read each sequence's own.

@@ -222,7 +222,8 @@ class SimSetup:
                             prefill_router.observe) for i in range(self.prefill.instances)]
             pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
-            client = SimClient(instances, router, clock, self.spec.vocab_size, self.template)
+            client = SimClient(instances, router, clock, self.spec.vocab_size, self.template,
+                               (self.hardware.serve_request_overhead, self.hardware.serve_prompt_token_overhead))
             if prefill:
                 client.disaggregate(prefill, prefill_router)
             config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")
