@@ -29,6 +29,18 @@ EFFICIENCY: dict[str, float] = {
     "link_bw": 0.70,
 }
 
+# VR200: no published source gives a Rubin GPU's achieved fractions. The seeds say its kernels are
+# being rewritten for SM107 and that each GPU has two memory domains (an SM reads its own faster),
+# and that a DEP decode step is only ~25% faster than GB300's (a prefill step ~28%) against 2.4x the
+# HBM bandwidth and 5x the FP4 FLOP/s of GB200 (hardware.py). One factor on every class but the
+# links (NVLink's ratio is given apart), FITTED to that one figure (DEP4 decode at 128K, 64 requests
+# a rank: 0.75x GB300's step) by `python -m rackserve.sim.seeds`; the DEP2 prefill step ratio and the
+# batch-1 TP8 rate are left out of the fit and checked against it (docs/simulator.md).
+VR200_ACHIEVED = 0.53
+DEVICE_EFFICIENCY: dict[str, dict[str, float]] = {
+    "VR200": {op: share * VR200_ACHIEVED for op, share in EFFICIENCY.items() if op != "link_bw"},
+}
+
 
 def efficiency(op: str, overrides: dict[str, float] | None = None) -> float:
     if overrides and op in overrides:

@@ -63,7 +63,7 @@ class Hardware:
 
 
 def _gpu(name: str, bf16: float, fp8: float, fp4: float | None, tbps: float, gb: float, up_gbps: float,
-         out_gbps: float, domain: int, source: str) -> Hardware:
+         out_gbps: float, domain: int, source: str, layer_overhead: float = 30e-6) -> Hardware:
     flops = {"bf16": bf16 * TFLOPS, "fp8": fp8 * TFLOPS}
     if fp4:
         flops["fp4"] = fp4 * TFLOPS
@@ -71,8 +71,16 @@ def _gpu(name: str, bf16: float, fp8: float, fp4: float | None, tbps: float, gb:
     # CUDA graphs (vLLM's own profiles). A decode layer is ~10 kernels (norms, projections,
     # attention, gate, dispatch, experts, combine), each lasting at least ~3 us however little it
     # does: ~30 us a layer, the floor of small batches. efficiency.py holds the per-op fractions.
+    from rackserve.sim.efficiency import DEVICE_EFFICIENCY
     return Hardware(name, flops, tbps * TBPS, gb * 1e9, up_gbps * GBPS, out_gbps * GBPS, domain,
-                    step_overhead=30e-6, layer_overhead=30e-6, source=source)
+                    step_overhead=30e-6, layer_overhead=layer_overhead,
+                    efficiency=dict(DEVICE_EFFICIENCY.get(name, {})), source=source)
+
+
+# The seeds' VR200 low-latency decode path: packed FP4 weight stages (7 -> 11 shared-memory stages)
+# save 57 us a step, the shared expert folded into the routed GEMM 220 us a step below 16 rows:
+# 277 us less of kernel floors a step than GB300's kernels, spread over DeepSeek-V4's 43 layers.
+VR200_LAYER_OVERHEAD = 30e-6 - 277e-6 / 43
 
 
 # Vendors' datasheets (dense, per GPU). Links: NVLink 4 900 GB/s and NVLink 5 1.8 TB/s are
@@ -87,7 +95,9 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     # The seeds' ratios to GB200: 5x NVFP4, ~2.4x HBM bandwidth, 1.7x NVLink; 288 GB HBM4.
     # BF16/FP8 are not in the seeds: scaled from GB200 by the FP8 ratio NVIDIA announced (3.5x).
     _gpu("VR200", 8750, 17500, 50000, 19.2, 288, 1530, 100, 72,
-         "Vera Rubin NVL72 per GPU: FP4, HBM and NVLink from the seeds' ratios to GB200; BF16/FP8 estimated"),
+         "Vera Rubin NVL72 per GPU: FP4, HBM and NVLink from the seeds' ratios to GB200; BF16/FP8 estimated; "
+         "achieved fractions and kernel floors from the seeds (efficiency.py, VR200_LAYER_OVERHEAD)",
+         VR200_LAYER_OVERHEAD),
 )}
 
 
