@@ -54,10 +54,12 @@ def open_store(config: EngineConfig, segment_bytes: int) -> Any:
 class MooncakeStoreConnectorScheduler(OffloadingConnectorScheduler):
     """Decides stores as the offloading tier does; looks hits up in the shared store."""
 
-    def __init__(self, config: EngineConfig, dp_rank: int = 0):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, store: Any = None, fingerprint: str | None = None):
+        """`store`: a client with Mooncake's `batch_is_exist` (default: one opened on the configured
+        pool; the simulator passes its pool's); `fingerprint`: what keys the model's blocks."""
         super().__init__(config, dp_rank)
-        self.fingerprint = kv_fingerprint(config)
-        self.store = open_store(config, 0)
+        self.fingerprint = fingerprint or kv_fingerprint(config)
+        self.store = store if store is not None else open_store(config, 0)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if self.group_blocks is not None:

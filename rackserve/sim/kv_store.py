@@ -21,7 +21,7 @@ from rackserve.config import EngineConfig, KVTransferConfig
 from rackserve.kv_transfer.base import KV_CONNECTORS, KVConnectorOutput
 from rackserve.kv_transfer.multi_connector import MultiKVConnectorOutput
 from rackserve.kv_transfer.mooncake_store_connector import MooncakeStoreConnectorScheduler
-from rackserve.kv_transfer.offloading_connector import OffloadingConnectorScheduler, OffloadingMetadata
+from rackserve.kv_transfer.offloading_connector import OffloadingMetadata
 from rackserve.sim.kv_pool import KVPool
 from rackserve.sim.transfer import POLL_SECONDS, TransferRecord, split_landed
 
@@ -52,9 +52,9 @@ class SimStoreConnectorScheduler(MooncakeStoreConnectorScheduler):
     """MooncakeStoreConnector's scheduler half, its store client the simulated pool's."""
 
     def __init__(self, config: EngineConfig, dp_rank: int = 0):
-        OffloadingConnectorScheduler.__init__(self, config, dp_rank)   # not the parent's: no Mooncake client
-        self.fingerprint = "sim"     # one model per simulation: every instance computes the same bytes
-        self.store = _POOLS[config.kv_transfer.kv_connector_extra_config["master_server_address"]]
+        # One model per simulation: every instance computes the same bytes, keyed alike.
+        super().__init__(config, dp_rank, store=_POOLS[config.kv_transfer.kv_connector_extra_config[
+            "master_server_address"]], fingerprint="sim")
 
 
 # The scheduler half only: SimStoreTransfer is the worker half, handed to the SimExecutor.
