@@ -331,6 +331,6 @@ def test_the_front_path_probe_measures_what_the_client_waits_beyond_the_engine(s
     points = asyncio.run(probe(server.url, MODEL, ["alpha", "beta", "gamma"], lengths=(8, 200), repeats=2))
     assert len(points) == 4 and all(0 < p["server_ttft_s"] < p["client_ttft_s"] for p in points)
     assert all(p["front_s"] == pytest.approx(p["client_ttft_s"] - p["server_ttft_s"]) for p in points)
-    assert points[1]["prompt_tokens"] > points[0]["prompt_tokens"] >= 8
+    assert points[1]["prompt_tokens"] > points[0]["prompt_tokens"] >= 8 and [p["words"] for p in points] == [8, 200] * 2
     a, b = fit(points)
     assert a >= 0 and b >= 0 and a + b * points[1]["prompt_tokens"] < max(p["client_ttft_s"] for p in points)

@@ -66,14 +66,20 @@ async def probe(base_url: str, model: str, vocabulary: Sequence[str], lengths: S
             if not record.ok or after[1] - before[1] != 1:
                 raise ValueError(f"request {index} failed or was not alone on the server: {record.error_message}")
             client_ttft, server_ttft = record.first_chunk - record.start, after[0] - before[0]
-            points.append({"prompt_tokens": record.prompt_tokens, "client_ttft_s": client_ttft,
+            points.append({"words": words, "prompt_tokens": record.prompt_tokens, "client_ttft_s": client_ttft,
                            "server_ttft_s": server_ttft, "front_s": client_ttft - server_ttft})
     return points
 
 
 def fit(points: Sequence[dict]) -> tuple[float, float]:
-    """(a, b) of front = a + b x prompt tokens, least squares, both kept >= 0."""
-    xs, ys = [p["prompt_tokens"] for p in points], [p["front_s"] for p in points]
+    """(a, b) of front = a + b x prompt tokens, least squares over each prompt length's medians (the
+    threads of a loaded machine stretch a few requests' front path many times), both kept >= 0."""
+    lengths = sorted({p["words"] for p in points})
+    groups = [[p for p in points if p["words"] == n] for n in lengths]
+    xs = [statistics.median(p["prompt_tokens"] for p in g) for g in groups]
+    ys = [statistics.median(p["front_s"] for p in g) for g in groups]
+    if len(xs) < 2:
+        return max(0.0, ys[0]), 0.0
     mx, my = statistics.mean(xs), statistics.mean(ys)
     b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
     return max(0.0, my - b * mx), b
@@ -102,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load.append(os.getloadavg()[0])
     a, b = fit(points)
     for n in LENGTHS:
-        mine = [p["front_s"] for p in points if abs(p["prompt_tokens"] - n) < n / 2 + 32]
-        print(f"~{n:5d} prompt tokens: front path median {statistics.median(mine) * 1e3:6.1f} ms")
+        mine = [p["front_s"] for p in points if p["words"] == n]
+        print(f"{n:5d} words: front path median {statistics.median(mine) * 1e3:6.1f} ms")
     print(f"front path: {a * 1e3:.2f} ms a request + {b * 1e6:.2f} us a prompt token (load {load[0]:.1f} -> {load[1]:.1f})")
     if args.output:
         with open(args.output, "w") as f:
