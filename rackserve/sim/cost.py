@@ -216,7 +216,8 @@ class CostModel:
         fixed = self.hw.step_overhead + s.num_layers * self.hw.layer_overhead
         serving = self.hw.serve_step_overhead + streamed * self.hw.serve_seq_overhead
         decodes = all(w.new_tokens == 1 for b in batches for w in b)
-        slowdown = (self.hw.serve_decode_slowdown if decodes and self.hw.serve_decode_slowdown is not None
-                    else self.hw.serve_slowdown)
+        slowdown = (self.hw.serve_decode_slowdown * self.hw.decode_scale
+                    if decodes and self.hw.serve_decode_slowdown is not None
+                    else self.hw.serve_slowdown * (self.hw.decode_scale if decodes else 1.0))
         model = (seconds + fixed + sequences * self.hw.seq_overhead) * slowdown
         return StepCost(model + serving, ranks)

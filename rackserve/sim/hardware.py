@@ -45,6 +45,10 @@ class Hardware:
     # torch_attention.py on a CPU: one gathered, masked batch), so each decode costs the longest
     # context; GPU paged kernels read each sequence's own.
     pads_decodes: bool = False
+    # Steps of decodes alone where the engine runs them in one native call (model/native_decode.py;
+    # bench forward records it in engine_code): another code path than the prefill and mixed steps',
+    # so their measured time over the cost model's is fitted apart (1: the same path).
+    decode_scale: float = 1.0
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True

@@ -52,14 +52,18 @@ def _level(run: dict, model: CostModel) -> dict:
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
-    """(d, a), a >= 0, minimising sum (gap - d x step - a)^2 over the levels."""
+    """(d, a), a >= 0, minimising the relative errors sum ((gap - d x step - a) / gap)^2 over the
+    levels (as calibrate.py fits step times on log time: one level of long steps must not outweigh
+    the others)."""
     xs, ys = [p["model_step_s"] for p in points], [p["median_chunk_gap_s"] for p in points]
+    ws = [1 / y ** 2 for y in ys]
     if len(set(xs)) < 2:
         return ys[0] / xs[0], 0.0
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    d = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    total = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+    d = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     if my - d * mx < 0:     # through the origin
-        return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
+        return sum(w * x * y for w, x, y in zip(ws, xs, ys)) / sum(w * x * x for w, x in zip(ws, xs)), 0.0
     return d, my - d * mx
 
 
