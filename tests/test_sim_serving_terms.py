@@ -16,7 +16,8 @@ def test_the_front_path_delays_each_request_before_the_engine(tmp_path):
     ttfts = []
     for request_s, token_s in ((0.0, 0.0), (0.25, 1e-4)):
         hw = tmp_path / f"cpu-{request_s}.json"
-        hw.write_text(json.dumps({**device, "serve_request_overhead": request_s, "serve_prompt_token_overhead": token_s}))
+        hw.write_text(json.dumps({**device, "serve_request_overhead": request_s,
+                                  "serve_prompt_token_overhead": token_s}))
         out = tmp_path / f"sim-{request_s}.json"
         assert main(["sim", "--hardware", str(hw), "--workload", "random", "--random-input-len", "100",
                      "--random-output-len", "4", "--concurrency", "1", "--duration", "3", "--max-model-len", "2048",
@@ -43,7 +44,8 @@ def test_steps_of_decodes_run_natively_get_their_own_fitted_factor():
                  (0.008, 0.002), "synthetic", pads_decodes=False, decode_scale=0.6)
     plain = dataclasses.replace(truth, decode_scale=1.0)
     decodes, mixed = [SeqWork(1, 500)] * 4, [SeqWork(1, 500)] * 3 + [SeqWork(64, 0, False)]
-    assert CostModel(spec, truth).step([decodes]).seconds == pytest.approx(0.6 * CostModel(spec, plain).step([decodes]).seconds)
+    assert CostModel(spec, truth).step([decodes]).seconds == pytest.approx(
+        0.6 * CostModel(spec, plain).step([decodes]).seconds)
     assert CostModel(spec, truth).step([mixed]).seconds == CostModel(spec, plain).step([mixed]).seconds
     model = CostModel(spec, truth)
     batches = [[SeqWork(1, c)] * b for b in (1, 8, 32) for c in (256, 2048)] + [[SeqWork(256, 0)] * b for b in (1, 4)]

@@ -74,7 +74,8 @@ def merged(records: list[dict | None]) -> dict:
         raise ValueError("a measurement without engine_code predates the record of the code that ran: re-run it")
     shapes = {(r["native_library"], r["native_decode_step"]) for r in records}
     if len(shapes) > 1:
-        raise ValueError(f"the measurements ran different engines (native build, native decode step): {sorted(shapes, key=str)}")
+        raise ValueError("the measurements ran different engines (native build, native decode step): "
+                         f"{sorted(shapes, key=str)}")
     if not all(unchanged(r) for r in records):
         raise ValueError("the engine's code changed since these measurements: re-run them")
     files = sorted({f for r in records for f in r["files"]})

@@ -46,7 +46,8 @@ async def _server_ttft(http: aiohttp.ClientSession, base_url: str) -> tuple[floa
 
 def _prompt(words: int, index: int, vocabulary: Sequence[str]) -> str:
     # A new prompt each time (its first words differ), so no request reuses another's prefix.
-    return " ".join([f"probe{index}"] + [vocabulary[(index * 7919 + i * 31) % len(vocabulary)] for i in range(words - 1)])
+    rest = [vocabulary[(index * 7919 + i * 31) % len(vocabulary)] for i in range(words - 1)]
+    return " ".join([f"probe{index}", *rest])
 
 
 async def probe(base_url: str, model: str, vocabulary: Sequence[str], lengths: Sequence[int] = LENGTHS,
@@ -110,13 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in LENGTHS:
         mine = [p["front_s"] for p in points if p["words"] == n]
         print(f"{n:5d} words: front path median {statistics.median(mine) * 1e3:6.1f} ms")
-    print(f"front path: {a * 1e3:.2f} ms a request + {b * 1e6:.2f} us a prompt token (load {load[0]:.1f} -> {load[1]:.1f})")
+    print(f"front path: {a * 1e3:.2f} ms a request + {b * 1e6:.2f} us a prompt token "
+          f"(load {load[0]:.1f} -> {load[1]:.1f})")
     if args.output:
         with open(args.output, "w") as f:
+            command = ["python", "-m", "rackserve.bench.front_path", *(argv if argv is not None else sys.argv[1:])]
             json.dump({"bench": "front_path", "request_seconds": a, "prompt_token_seconds": b, "points": points,
-                       "load_average": load, "cpu": cpu_name(), "command": ["python", "-m", "rackserve.bench.front_path",
-                                                                          *(argv if argv is not None else sys.argv[1:])]},
-                      f, indent=1)
+                       "load_average": load, "cpu": cpu_name(), "command": command}, f, indent=1)
         print(f"wrote {args.output}")
     return 0
 

@@ -238,22 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"held out {m['file']} {m['side']}: batch {m['batch_size']} after {m['context_len']}: measured "
               f"{m['measured_s'] * 1e3:.1f} ms, model {m['simulated_s'] * 1e3:.1f} ms "
               f"({m['simulated_s'] / m['measured_s'] - 1:+.0%})")
-    serve, front = None, (0.0, 0.0)
-    if args.front_path:
-        with open(args.front_path) as f:
-            measured_front = json.load(f)
-        front = (measured_front["request_seconds"], measured_front["prompt_token_seconds"])
-        hw = dataclasses.replace(hw, serve_request_overhead=front[0], serve_prompt_token_overhead=front[1])
-        print(f"front path: {front[0] * 1e3:.2f} ms a request + {front[1] * 1e6:.2f} us a prompt token")
-    if args.serve:
-        from rackserve.sim.serve_path import measure_serve_path
-        with open(args.serve) as f:
-            serve = measure_serve_path(json.load(f), spec, hw, front)
-        serve["file"] = os.path.basename(args.serve)
-        hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=0.0,
-                                 serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"])
-        print(f"serving path: steps with a prompt chunk x {hw.serve_slowdown:.2f}, steps of decodes x "
-              f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step")
+    serve = None
+    if args.front_path or args.serve:
+        from rackserve.sim.serve_path import with_serving_terms
+        hw, serve = with_serving_terms(hw, spec, args.serve, args.front_path)
     key = code = None
     if args.key:
         from rackserve.bench.engine_code import merged

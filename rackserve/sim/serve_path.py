@@ -21,6 +21,9 @@ cannot be told apart. This file owns that measurement; it never runs anything.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
 
 from rackserve.sim.cost import CostModel, SeqWork
@@ -86,3 +89,26 @@ def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware, front: tuple
         p["fitted_gap_s"] = decode_slowdown * p["model_step_s"] + a
     return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "points": points,
             "front": list(front), "command": result.get("command"), "load": result.get("load_average")}
+
+
+def with_serving_terms(hw: Hardware, spec: ModelSpec, serve_file: str | None,
+                       front_file: str | None) -> tuple[Hardware, dict | None]:
+    """`hw` with the front path of a bench/front_path.py result and the serving path of a bench
+    serve run of the random workload (each optional), and the serving path's record."""
+    front = (0.0, 0.0)
+    if front_file:
+        with open(front_file) as f:
+            measured = json.load(f)
+        front = (measured["request_seconds"], measured["prompt_token_seconds"])
+        hw = dataclasses.replace(hw, serve_request_overhead=front[0], serve_prompt_token_overhead=front[1])
+        print(f"front path: {front[0] * 1e3:.2f} ms a request + {front[1] * 1e6:.2f} us a prompt token")
+    if not serve_file:
+        return hw, None
+    with open(serve_file) as f:
+        serve = measure_serve_path(json.load(f), spec, hw, front)
+    serve["file"] = os.path.basename(serve_file)
+    hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=0.0,
+                             serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"])
+    print(f"serving path: steps with a prompt chunk x {hw.serve_slowdown:.2f}, steps of decodes x "
+          f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step")
+    return hw, serve
