@@ -12,11 +12,12 @@ move it) and never imports torch or the engine.
 import argparse
 import contextlib
 import itertools
+import json
 from typing import Any
 
 from rackserve.router.body import parse_body
 from rackserve.serve.cli import register_subcommand
-from rackserve.serve.serving_engine import OpenAIError
+from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
 PREFILL_TIMEOUT_S = 600.0
 
@@ -26,6 +27,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
     out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
     return out
+
+
+def _unreachable(e: Exception) -> OpenAIError:
+    """What the client hears when an instance cannot be reached, fails or times out (a 502)."""
+    return OpenAIError(f"an instance behind the proxy failed: {e!r}", 502, type="server_error")
 
 
 def build_app(prefill_urls: list[str], decode_urls: list[str]):
@@ -50,6 +56,12 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
             body = parse_body(await request.body())
         except OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        try:
+            return await _two_hops(path, body)
+        except (httpx.HTTPError, ValueError) as e:   # an instance down, too slow, or its answer not JSON
+            return JSONResponse(_unreachable(e).body(), status_code=502)
+
+    async def _two_hops(path: str, body: dict[str, Any]) -> Response:
         prefill = await client.post(next(prefillers) + path, json=prefill_body(body))
         if prefill.status_code != 200:   # a bad request is the prefiller's to refuse, as is
             return Response(prefill.content, prefill.status_code, media_type="application/json")
@@ -68,6 +80,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:   # the decoder died mid-stream: an error event ends the stream
+                yield f"data: {json.dumps(_unreachable(e).body())}\n\n{SSE_DONE}".encode()
             finally:
                 await upstream.aclose()
 
@@ -83,7 +97,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
 
     @app.get("/v1/models")
     async def models() -> Response:
-        reply = await client.get(decode_urls[0] + "/v1/models")
+        try:
+            reply = await client.get(decode_urls[0] + "/v1/models")
+        except httpx.HTTPError as e:
+            return JSONResponse(_unreachable(e).body(), status_code=502)
         return Response(reply.content, reply.status_code, media_type="application/json")
 
     @app.get("/health")

@@ -1,0 +1,50 @@
+"""Regressions found by the takedown hunts (a request that took a server or a front down, hung it,
+or got a 5xx without an OpenAI error body): each test sends the request that did it, against a
+real process, and checks the answer and that the server still serves. The kinds that held are
+listed in the hunt's report and in tests/test_server_hardening.py.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from rackserve.distributed.parallel_state import free_port
+from tests.server_utils import stop_all
+
+
+def _openai_error(resp: httpx.Response) -> dict:
+    assert resp.headers["content-type"] == "application/json", resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_proxy_with_a_dead_instance_answers_an_openai_502(tmp_path):
+    """Before: `rackserve proxy` whose prefiller or decoder did not answer raised httpx's
+    ConnectError out of the handler, a text/plain 500 "Internal Server Error"."""
+    dead, port = f"http://127.0.0.1:{free_port()}", free_port()     # nothing listens at `dead`
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "proxy.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve", "proxy", "--prefill", dead, "--decode", dead,
+                                 "--port", str(port), "--uvicorn-log-level", "warning"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:    # up once it answers; its /health is a 503 while its instances are down
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+                time.sleep(0.2)
+        for stream in (False, True):
+            resp = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": stream})
+            assert resp.status_code == 502
+            assert "ConnectError" in _openai_error(resp)["message"]
+        assert httpx.get(f"{url}/v1/models").status_code == 502
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert proc.poll() is None
+    finally:
+        stop_all([proc])
