@@ -135,6 +135,9 @@ HOSTILE = {
     "temperature_a_list": ("completions", {**COMP, "temperature": [1]}, 400),
     "stream_a_string": ("completions", {**COMP, "stream": "yes"}, 400),
     "tools": ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    # Before: ignored as unknown fields, so a client asking for JSON got free text.
+    "response_format_json": ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    "min_tokens": ("completions", {**COMP, "min_tokens": 3}, 400),
     "body_null": ("completions", "null", 400),
     "body_deeply_nested": ("completions", "[" * 100_000 + "]" * 100_000, 400),
     "body_invalid_utf8": ("completions", b'{"model": "tiny", "prompt": "\xff\xfe\xfa", "max_tokens": 2}', 400),

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from rackserve.sampling_params import SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5             # the legacy completions API allows logprobs 0..5
+NOT_HONOURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "use_beam_search", "min_tokens", "prompt_logprobs")
 
 
 class OpenAIBaseModel(BaseModel):
@@ -54,11 +56,27 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: pin the request to this DP rank of the instance (the router's choice); None: the
     # instance's own placement.
     data_parallel_rank: int | None = None
+    # Asked-for behaviour this server does not have (structured outputs, beam search, vLLM's
+    # min_tokens and prompt_logprobs): declared only to be refused by name, since ignoring them
+    # as unknown fields would hand a client that asked for JSON unconstrained text.
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: Any = None
+    min_tokens: Any = None
+    prompt_logprobs: Any = None
 
     def unsupported(self) -> str | None:
         """The name of a field set to something this server cannot honour, if any."""
         if self.stream_options is not None and not self.stream:
             return "stream_options"
+        for name in NOT_HONOURED:
+            value = getattr(self, name)
+            if value not in (None, False, 0) and not (name == "response_format" and value == {"type": "text"}):
+                return name
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
