@@ -25,7 +25,7 @@ _SIGNATURES = {
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
-    "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P],
+    "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
 
@@ -132,5 +132,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = q.new_empty(rows, heads * head_dim)
     lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim,
-                                  block_size, scale, out.data_ptr())
+                                  block_size, scale, out.data_ptr(), torch.get_num_threads())
     return out

@@ -19,7 +19,8 @@ int rs_rope_neox(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t 
                  const float* sin);
 int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                               const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows, int64_t heads,
-                              int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out);
+                              int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
+                              int threads);
 
 // A quantized GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs
 // whichever kernel packed the weights.
@@ -107,7 +108,7 @@ extern "C" int rs_decode_layers(const RsDecoder* m, int64_t rows, float* residua
     }
     clock.lap(kRopeKv);
     rs_paged_decode_attention(big, L.qkv.width, L.k_cache, L.v_cache, tables, width, lens, rows, m->heads, m->kv_heads,
-                              hd, m->block_size, m->scale, attn);
+                              hd, m->block_size, m->scale, attn, threads);
     clock.lap(kAttention);
     if (L.o.gemv(attn, rows, q_size, L.o.packed, L.o.tiles, L.o.kind, h, threads)) return -1;
     clock.lap(kOProj);

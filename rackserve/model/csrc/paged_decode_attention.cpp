@@ -2,10 +2,14 @@
 // query token per request, its K/V spread over blocks of `block_size` tokens ([num_blocks,
 // block_size, kv_heads, head_dim] caches). This is what the torch backend does with a gather of
 // the blocks and one SDPA call, without the gather and the dozen small ops around it. A KV
-// head's query heads (GQA) share each loaded key and value. Plain C++ that the compiler
-// vectorises for whichever ISA the library is built for. torch_attention.py calls it through
-// model/native_ops.py, and decode_loop.cpp per layer; this file must never write the cache.
-#include <xmmintrin.h>
+// head's query heads (GQA) share each loaded key and value. A long context is split over the
+// threads (flash-decoding: each part of whole blocks keeps its own max, sum and accumulator, then
+// the parts are merged), so a lone decode at thousands of tokens uses every core. Scores are
+// taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
+// horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
+// torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
+// file must never write the cache.
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -36,54 +40,120 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// One request's KV head g: its `group` query heads (qg, head_dim apart) against its first len
-// tokens; scores is scratch of group * len floats; out gets group * head_dim floats.
-void attend_one(const float* qg, const float* k_cache, const float* v_cache, const int64_t* table, int64_t len,
-                int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
-                float* scores, float* out) {
+#if defined(__AVX512F__)
+constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// x[j] holds key j's products lane by lane; returns lane j = the sum of x[j]'s lanes. A transpose
+// and add in 4 levels (15 adds for 16 keys) where a horizontal sum per key would take 4 each.
+inline void store_sums(const Vec* x, float* out) {
+  Vec y[8], z[4], w[2];
+  for (int j = 0; j < 8; ++j)
+    y[j] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * j], x[2 * j + 1]), _mm512_unpackhi_ps(x[2 * j], x[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(y[2 * j]), b = _mm512_castps_pd(y[2 * j + 1]);
+    z[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int j = 0; j < 2; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * j], z[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * j], z[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kKeys = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels for 8 keys
+  Vec y[4], z[2];
+  for (int j = 0; j < 4; ++j)
+    y[j] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * j], x[2 * j + 1]), _mm256_unpackhi_ps(x[2 * j], x[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {
+    const __m256d a = _mm256_castps_pd(y[2 * j]), b = _mm256_castps_pd(y[2 * j + 1]);
+    z[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20), _mm256_permute2f128_ps(z[0], z[1], 0x31)));
+}
+#else
+constexpr int64_t kKeys = 0;        // no vector path: every key takes the plain loop
+#endif
+
+// q . k for n keys token_stride apart, into s[0..n).
+void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
+  int64_t j = 0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  if (head_dim % lanes == 0) {
+    for (; j + kKeys <= n; j += kKeys) {
+      Vec acc[kKeys];
+      for (int64_t t = 0; t < kKeys; ++t) {
+        const float* kt = k + (j + t) * token_stride;
+        Vec a = vzero();
+        for (int64_t i = 0; i < head_dim; i += lanes) a = vfma(vload(q + i), vload(kt + i), a);
+        acc[t] = a;
+      }
+      store_sums(acc, s + j);
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float* kt = k + j * token_stride;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * kt[i];
+    s[j] = sum;
+  }
+}
+
+// One part of one request's KV head g: its `group` query heads (qg, head_dim apart) against
+// tokens [t_begin, t_end) (whole blocks but for the context's last). Writes, per query head, the
+// scores' max m, the sum l of exp(score - m) and acc = sum exp(score - m) v, unnormalised:
+// part[h * (head_dim + 2) ...] = acc[head_dim], m, l. scores: scratch of group * (t_end - t_begin).
+void attend_part(const float* qg, const float* k_cache, const float* v_cache, const int64_t* table, int64_t t_begin,
+                 int64_t t_end, int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
+                 float scale, float* scores, float* part) {
   // Denormals flushed to zero while this thread runs it (and the caller's mode restored): a
   // peaked softmax leaves many weights below 1e-38, and each exp, product and sum on a denormal
   // takes a microcode assist (2x the kernel's time on a peaked softmax over 750 tokens). They add
   // nothing a float32 sum of ~1 could show.
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);         // FTZ | DAZ
+  const int64_t len = t_end - t_begin;
   // Block by block: the slot of token t is found once per block, not by a division per token.
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t n = std::min(block_size, len - t0);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
+    const int64_t n = std::min(block_size, t_end - t0);
     const float* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = kb + j * token_stride;
-      for (int64_t h = 0; h < group; ++h) {
-        const float* qh = qg + h * head_dim;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < head_dim; ++i) s += qh[i] * k[i];
-        scores[h * len + t0 + j] = s * scale;
-      }
-    }
+    for (int64_t h = 0; h < group; ++h)
+      score_keys(qg + h * head_dim, kb, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
   }
   for (int64_t h = 0; h < group; ++h) {
     float* sh = scores + h * len;
-    const float mx = *std::max_element(sh, sh + len);
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t] *= scale);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
       sh[t] = exp_nonpositive(sh[t] - mx);
       sum += sh[t];
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+    float* ph = part + h * (head_dim + 2);
+    std::fill(ph, ph + head_dim, 0.f);
+    ph[head_dim] = mx;
+    ph[head_dim + 1] = sum;
   }
-  std::fill(out, out + group * head_dim, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    const int64_t n = std::min(block_size, len - t0);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
+    const int64_t n = std::min(block_size, t_end - t0);
     const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
     for (int64_t j = 0; j < n; ++j) {
       const float* v = vb + j * token_stride;
       for (int64_t h = 0; h < group; ++h) {
-        const float p = scores[h * len + t0 + j];
-        float* a = out + h * head_dim;
+        const float p = scores[h * len + t0 - t_begin + j];
+        float* a = part + h * (head_dim + 2);
 #pragma omp simd
         for (int64_t i = 0; i < head_dim; ++i) a[i] += p * v[i];
       }
@@ -92,24 +162,75 @@ void attend_one(const float* qg, const float* k_cache, const float* v_cache, con
   _mm_setcsr(csr);
 }
 
+struct Part {
+  int64_t row, kv_head, t_begin, t_end;
+};
+
 }  // namespace
 
 // out [rows, heads * head_dim]: row r's query (q + r * q_stride, heads of head_dim) against its
-// first lens[r] tokens, found through tables[r * width ...]. Rows and KV heads are split over the
-// threads from 4 rows on; a lone decode's few KV heads are not worth a parallel region.
+// first lens[r] tokens, found through tables[r * width ...]. Work is split into parts (a row's
+// KV head, its context cut into runs of whole blocks) over `threads` threads; a short context
+// stays in one part and a small step on the calling thread: a parallel region costs more than
+// the few microseconds of work it would share.
 extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                          const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                         float scale, float* out) {
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
-#pragma omp parallel for collapse(2) if (rows >= 4) schedule(static)
+                                         float scale, float* out, int threads) {
+  constexpr int64_t kMinPartTokens = 256;     // below this a part's fixed costs (merge, scratch) dominate
+  constexpr int64_t kMinParallelKeys = 1024;  // keys x KV heads a step needs before it uses the threads
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim, stride = head_dim + 2;
+  int64_t keys = 0;
+  for (int64_t r = 0; r < rows; ++r) keys += lens[r] * kv_heads;
+  threads = keys >= kMinParallelKeys ? std::max(threads, 1) : 1;
+  // Cut each row's context so that there are about two parts per thread, in whole blocks.
+  std::vector<Part> parts;
+  std::vector<int64_t> first(rows + 1);       // parts of row r: [first[r] * kv_heads, first[r + 1] * kv_heads)
+  const int64_t want = (2 * threads + rows * kv_heads - 1) / (rows * kv_heads);
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t blocks = (lens[r] + block_size - 1) / block_size;
+    const int64_t n = std::max<int64_t>(1, std::min({want, lens[r] / kMinPartTokens, blocks}));
+    first[r] = static_cast<int64_t>(parts.size()) / kv_heads;
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t p = 0; p < n; ++p)
+        parts.push_back({r, g, std::min(lens[r], blocks * p / n * block_size),
+                         std::min(lens[r], blocks * (p + 1) / n * block_size)});
+  }
+  first[rows] = static_cast<int64_t>(parts.size()) / kv_heads;
+  std::vector<float> results(parts.size() * group * stride);
+  const int64_t count = static_cast<int64_t>(parts.size());
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    const Part& p = parts[i];
+    thread_local std::vector<float> scores;
+    const int64_t need = group * (p.t_end - p.t_begin);
+    if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
+    attend_part(q + p.row * q_stride + p.kv_head * group * head_dim, k_cache + p.kv_head * head_dim,
+                v_cache + p.kv_head * head_dim, tables + p.row * width, p.t_begin, p.t_end, group, head_dim,
+                block_size, token_stride, scale, scores.data(), results.data() + i * group * stride);
+  }
+  // Merge each row's parts per query head: rescale every part's sum and accumulator to the
+  // largest max, then divide once.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = first[r + 1] - first[r];
     for (int64_t g = 0; g < kv_heads; ++g) {
-      thread_local std::vector<float> scores;
-      if (static_cast<int64_t>(scores.size()) < group * lens[r]) scores.resize(group * lens[r]);
-      attend_one(q + r * q_stride + g * group * head_dim, k_cache + g * head_dim, v_cache + g * head_dim,
-                 tables + r * width, lens[r], group, head_dim, block_size, token_stride, scale, scores.data(),
-                 out + r * heads * head_dim + g * group * head_dim);
+      const float* base = results.data() + (first[r] * kv_heads + g * n) * group * stride;
+      for (int64_t h = 0; h < group; ++h) {
+        float* o = out + r * heads * head_dim + (g * group + h) * head_dim;
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < n; ++p) mx = std::max(mx, base[(p * group + h) * stride + head_dim]);
+        std::fill(o, o + head_dim, 0.f);
+        for (int64_t p = 0; p < n; ++p) {
+          const float* part = base + (p * group + h) * stride;
+          const float w = n == 1 ? 1.f : std::exp(part[head_dim] - mx);
+          sum += w * part[head_dim + 1];
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) o[i] += w * part[i];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
+      }
     }
   }
   return 0;

@@ -1,0 +1,60 @@
+"""Paged decode attention of the native library (csrc/paged_decode_attention.cpp) at long contexts,
+against softmax(q k^T) v in torch on the tokens gathered by hand: a context split over threads
+into parts of whole blocks and merged, keys scored a vector's width at a time, the ragged last
+block and head sizes the vector path does not take. Runs on both builds (avx512, avx2).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rackserve.model import native_ops
+from rackserve.model.native import ISAS, unavailable_reason
+
+
+@pytest.fixture(params=[pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def lib(request):
+    return native_ops.load(request.param)
+
+
+def _attend(lib, q, k_cache, v_cache, tables, lens, scale, threads):
+    rows, heads, hd = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    out = torch.empty(rows, heads * hd)
+    table = torch.tensor(sum(tables, []))
+    assert lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         table.data_ptr(), len(tables[0]), torch.tensor(lens).data_ptr(), rows, heads,
+                                         kv_heads, hd, bs, scale, out.data_ptr(), threads) == 0
+    return out
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale):
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    rows = []
+    for r, (table, n) in enumerate(zip(tables, lens)):
+        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1).double()
+        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1).double()
+        p = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
+        rows.append(torch.einsum("hn,nhd->hd", p, v).flatten().float())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("hd", [64, 24])        # 24: the plain loop on avx512, the vector path on avx2
+def test_a_long_context_split_over_threads_matches_torch(lib, hd):
+    # SmolLM2's GQA (9 query heads on 3 KV heads), blocks of 16 in shuffled order. Row 0: 3001
+    # tokens (each thread's parts span many blocks; the last block holds 9 tokens); row 1: 5
+    # tokens (fewer than a vector's keys); row 2: 700 (two parts a head at 2 threads when alone).
+    heads, kv_heads, bs = 9, 3, 16
+    g = torch.Generator().manual_seed(12)
+    k_cache, v_cache = torch.randn(240, bs, kv_heads, hd, generator=g), torch.randn(240, bs, kv_heads, hd, generator=g)
+    order = torch.randperm(240, generator=g).tolist()
+    tables = [order[:188], order[188:189] + [0] * 187, order[189:233] + [0] * 144]
+    lens = [3001, 5, 700]
+    q = torch.randn(3, heads, hd, generator=g) * 2       # scores spread wide: a peaked softmax
+    for rows in ([0], [2], [0, 1, 2]):
+        sub = ([tables[r] for r in rows], [lens[r] for r in rows])
+        expected = _reference(q[rows], k_cache, v_cache, *sub, hd ** -0.5)
+        for threads in (1, 2, 5):
+            out = _attend(lib, q[rows].contiguous(), k_cache, v_cache, *sub, hd ** -0.5, threads)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
