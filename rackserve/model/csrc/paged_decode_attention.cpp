@@ -45,6 +45,8 @@ constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 // x[j] holds key j's products lane by lane; returns lane j = the sum of x[j]'s lanes. A transpose
 // and add in 4 levels (15 adds for 16 keys) where a horizontal sum per key would take 4 each.
@@ -67,6 +69,8 @@ constexpr int64_t kKeys = 8;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels for 8 keys
   Vec y[4], z[2];
@@ -106,6 +110,42 @@ void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * kt[i];
     s[j] = sum;
+  }
+}
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// acc[0..M vectors) += sum over j < n of p[j] v_j, values token_stride apart, kept in registers
+// (M is a constant so that they are): not a load and a store of acc per value.
+template <int M>
+void add_values_vec(const float* p, const float* v, int64_t n, int64_t token_stride, float* acc) {
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  Vec a[M];
+  for (int c = 0; c < M; ++c) a[c] = vload(acc + c * lanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec w = vset1(p[j]);
+    for (int c = 0; c < M; ++c) a[c] = vfma(w, vload(v + j * token_stride + c * lanes), a[c]);
+  }
+  for (int c = 0; c < M; ++c) vstore(acc + c * lanes, a[c]);
+}
+#endif
+
+// acc[0..head_dim) += sum over j < n of p[j] v_j, values token_stride apart.
+void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  if (head_dim % lanes == 0) {
+    switch (head_dim / lanes) {
+      case 2: return add_values_vec<2>(p, v, n, token_stride, acc);
+      case 4: return add_values_vec<4>(p, v, n, token_stride, acc);
+      case 8: return add_values_vec<8>(p, v, n, token_stride, acc);
+      case 16: return add_values_vec<16>(p, v, n, token_stride, acc);
+      default: break;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; ++i) acc[i] += p[j] * v[j * token_stride + i];
   }
 }
 
@@ -149,15 +189,8 @@ void attend_part(const float* qg, const float* k_cache, const float* v_cache, co
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
     const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = vb + j * token_stride;
-      for (int64_t h = 0; h < group; ++h) {
-        const float p = scores[h * len + t0 - t_begin + j];
-        float* a = part + h * (head_dim + 2);
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) a[i] += p * v[i];
-      }
-    }
+    for (int64_t h = 0; h < group; ++h)
+      add_values(scores + h * len + t0 - t_begin, vb, n, head_dim, token_stride, part + h * (head_dim + 2));
   }
   _mm_setcsr(csr);
 }
