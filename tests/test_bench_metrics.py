@@ -47,8 +47,9 @@ def test_summary_matches_hand_computed_values():
     # E2EL sorted [1.2, 2.0, 2.5].
     assert (s.e2el.p50, s.e2el.p90) == pytest.approx((2.0, 2.4))
     assert s.short_outputs == 1
-    assert s.hit_rate == pytest.approx(0.5) and s.hit_rate_source == "server metrics"
-    assert s.request_hit_rate == pytest.approx(1056 / 1800)
+    # The measured requests' usage, not the server's counters (which count the warm-up too).
+    assert s.hit_rate == s.request_hit_rate == pytest.approx(1056 / 1800) and s.hit_rate_source == "usage.cached_tokens"
+    assert s.server_hit_rate == pytest.approx(0.5)
     assert s.input_source == "usage.prompt_tokens"
     # 1 failure of 5 requests sent: 20% overflow (limit 1%) and 20% failed (limit 10%).
     assert s.failures == {"context_overflow": 1}
@@ -58,7 +59,14 @@ def test_summary_matches_hand_computed_values():
 def test_hit_rate_falls_back_to_usage_without_server_counters():
     s = summarize(RECORDS[:3], concurrency=1, devices=1)
     assert s.hit_rate == pytest.approx(1056 / 1800) and s.hit_rate_source == "usage.cached_tokens"
-    assert s.valid and s.failures == {}
+    assert s.server_hit_rate is None and s.valid and s.failures == {}
+
+
+def test_hit_rate_falls_back_to_the_server_counters_without_cached_tokens_in_usage():
+    plain = [record(0.0, 0.1, 1.0, prompt=100, cached=0, out=3, max_tokens=3)]
+    plain[0].cached_tokens = None
+    s = summarize(plain, concurrency=1, devices=1, server_hits=(30.0, 100.0))
+    assert s.hit_rate == s.server_hit_rate == pytest.approx(0.3) and s.hit_rate_source == "server metrics"
 
 
 def test_input_falls_back_to_the_workload_when_a_server_sends_no_usage():

@@ -74,7 +74,8 @@ def check_replay(run: dict, turns_of: dict, shared_tokens: int, min_hit_rate: fl
     records = run["requests"]
     summary = run["summary"]
     assert summary["valid"] and summary["failures"] == {}
-    assert summary["hit_rate_source"] == "server metrics" and summary["hit_rate"] > min_hit_rate
+    assert summary["hit_rate_source"] == "usage.cached_tokens" and summary["hit_rate"] > min_hit_rate
+    assert summary["server_hit_rate"] is not None
     assert all(r["error"] is None and r["output_tokens"] == r["max_tokens"] for r in records)
     by_play = defaultdict(list)
     for r in sorted(records, key=lambda r: r["start"]):

@@ -28,7 +28,7 @@ def test_sim_writes_bench_serve_json_that_bench_plot_draws(tmp_path):
         s = run["summary"]
         assert set(s) == fields and s["valid"] and s["completed"] > 0
         assert s["throughput_per_device"] > 0 and s["interactivity_p90"] > 0
-        assert 0 < s["hit_rate"] < 1 and s["hit_rate_source"] == "server metrics"
+        assert 0 < s["hit_rate"] < 1 and s["hit_rate_source"] == "usage.cached_tokens" and 0 < s["server_hit_rate"] < 1
         assert run["sim"]["virtual_seconds"] >= 20 and run["sim"]["speedup"] > 0
         assert all(r["kind"] in ("main", "subagent", "warmup") for r in run["requests"])
     # More lanes: more throughput, less interactivity (the curve's two ends).

@@ -197,8 +197,8 @@ def summary_table(s: RunSummary) -> Table:
     table = Table(title=f"concurrency {s.concurrency}: {'valid' if s.valid else 'INVALID: ' + '; '.join(s.invalid_reasons)}",
                   show_header=False, title_justify="left")
     hit = "n/a" if s.hit_rate is None else f"{s.hit_rate:.1%} ({s.hit_rate_source})"
-    if s.request_hit_rate is not None and s.hit_rate_source != "usage.cached_tokens":
-        hit += f"; measured requests alone (usage.cached_tokens): {s.request_hit_rate:.1%}"
+    if s.server_hit_rate is not None and s.hit_rate_source != "server metrics":
+        hit += f"; server counters, warm-ups included: {s.server_hit_rate:.1%}"
     table.add_row("requests", f"{s.completed} of {s.requests} completed (+{s.warmups} warm-ups), T = {s.duration:.1f} s, "
                   f"failures {s.failures or 'none'}, short outputs {s.short_outputs}")
     table.add_row("throughput / device", f"{s.throughput_per_device:.1f} tok/s (input {s.input_throughput_per_device:.1f}, "
