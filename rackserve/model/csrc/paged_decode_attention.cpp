@@ -149,28 +149,31 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
   }
 }
 
-// One part of one request's KV head g: its `group` query heads (qg, head_dim apart) against
-// tokens [t_begin, t_end) (whole blocks but for the context's last). Writes, per query head, the
-// scores' max m, the sum l of exp(score - m) and acc = sum exp(score - m) v, unnormalised:
-// part[h * (head_dim + 2) ...] = acc[head_dim], m, l. scores: scratch of group * (t_end - t_begin).
-void attend_part(const float* qg, const float* k_cache, const float* v_cache, const int64_t* table, int64_t t_begin,
-                 int64_t t_end, int64_t group, int64_t head_dim, int64_t block_size, int64_t token_stride,
-                 float scale, float* scores, float* part) {
+// One part of one request: its query heads (q, head_dim apart; KV head g's are g * group ...)
+// against tokens [t_begin, t_end) (whole blocks but for the context's last), every KV head of a
+// token by the same thread: the cache interleaves the KV heads of a token, and a thread reading
+// one head's 256 bytes of each 768 would have the prefetcher bring in the rest for nothing.
+// Writes, per query head, the scores' max m, the sum l of exp(score - m) and acc = sum
+// exp(score - m) v, unnormalised: part[h * (head_dim + 2) ...] = acc[head_dim], m, l.
+// scores: scratch of heads * (t_end - t_begin).
+void attend_part(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t t_begin,
+                 int64_t t_end, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                 float* scores, float* part) {
   // Denormals flushed to zero while this thread runs it (and the caller's mode restored): a
   // peaked softmax leaves many weights below 1e-38, and each exp, product and sum on a denormal
   // takes a microcode assist (2x the kernel's time on a peaked softmax over 750 tokens). They add
   // nothing a float32 sum of ~1 could show.
   const unsigned csr = _mm_getcsr();
   _mm_setcsr(csr | 0x8040);         // FTZ | DAZ
-  const int64_t len = t_end - t_begin;
+  const int64_t len = t_end - t_begin, group = heads / kv_heads, token_stride = kv_heads * head_dim;
   // Block by block: the slot of token t is found once per block, not by a division per token.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
     const float* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
-    for (int64_t h = 0; h < group; ++h)
-      score_keys(qg + h * head_dim, kb, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
+    for (int64_t h = 0; h < heads; ++h)
+      score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
@@ -189,81 +192,78 @@ void attend_part(const float* qg, const float* k_cache, const float* v_cache, co
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
     const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
-    for (int64_t h = 0; h < group; ++h)
-      add_values(scores + h * len + t0 - t_begin, vb, n, head_dim, token_stride, part + h * (head_dim + 2));
+    for (int64_t h = 0; h < heads; ++h)
+      add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
+                 part + h * (head_dim + 2));
   }
   _mm_setcsr(csr);
 }
 
 struct Part {
-  int64_t row, kv_head, t_begin, t_end;
+  int64_t row, t_begin, t_end;
 };
 
 }  // namespace
 
 // out [rows, heads * head_dim]: row r's query (q + r * q_stride, heads of head_dim) against its
 // first lens[r] tokens, found through tables[r * width ...]. Work is split into parts (a row's
-// KV head, its context cut into runs of whole blocks) over `threads` threads; a short context
-// stays in one part and a small step on the calling thread: a parallel region costs more than
-// the few microseconds of work it would share.
+// context cut into runs of whole blocks) over `threads` threads; a short context stays in one
+// part and a small step on the calling thread: a parallel region costs more than the few
+// microseconds of work it would share.
 extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                          const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                          float scale, float* out, int threads) {
   constexpr int64_t kMinPartTokens = 256;     // below this a part's fixed costs (merge, scratch) dominate
   constexpr int64_t kMinParallelKeys = 1024;  // keys x KV heads a step needs before it uses the threads
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim, stride = head_dim + 2;
+  const int64_t stride = head_dim + 2;
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r] * kv_heads;
   threads = keys >= kMinParallelKeys ? std::max(threads, 1) : 1;
   // Cut each row's context so that there are about two parts per thread, in whole blocks.
   std::vector<Part> parts;
-  std::vector<int64_t> first(rows + 1);       // parts of row r: [first[r] * kv_heads, first[r + 1] * kv_heads)
-  const int64_t want = (2 * threads + rows * kv_heads - 1) / (rows * kv_heads);
+  std::vector<int64_t> first(rows + 1);       // parts of row r: [first[r], first[r + 1])
+  const int64_t want = (2 * threads + rows - 1) / rows;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t blocks = (lens[r] + block_size - 1) / block_size;
     const int64_t n = std::max<int64_t>(1, std::min({want, lens[r] / kMinPartTokens, blocks}));
-    first[r] = static_cast<int64_t>(parts.size()) / kv_heads;
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t p = 0; p < n; ++p)
-        parts.push_back({r, g, std::min(lens[r], blocks * p / n * block_size),
-                         std::min(lens[r], blocks * (p + 1) / n * block_size)});
+    first[r] = static_cast<int64_t>(parts.size());
+    for (int64_t p = 0; p < n; ++p)
+      parts.push_back({r, std::min(lens[r], blocks * p / n * block_size),
+                       std::min(lens[r], blocks * (p + 1) / n * block_size)});
   }
-  first[rows] = static_cast<int64_t>(parts.size()) / kv_heads;
-  std::vector<float> results(parts.size() * group * stride);
+  first[rows] = static_cast<int64_t>(parts.size());
+  std::vector<float> results(parts.size() * heads * stride);
   const int64_t count = static_cast<int64_t>(parts.size());
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t i = 0; i < count; ++i) {
     const Part& p = parts[i];
     thread_local std::vector<float> scores;
-    const int64_t need = group * (p.t_end - p.t_begin);
+    const int64_t need = heads * (p.t_end - p.t_begin);
     if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
-    attend_part(q + p.row * q_stride + p.kv_head * group * head_dim, k_cache + p.kv_head * head_dim,
-                v_cache + p.kv_head * head_dim, tables + p.row * width, p.t_begin, p.t_end, group, head_dim,
-                block_size, token_stride, scale, scores.data(), results.data() + i * group * stride);
+    attend_part(q + p.row * q_stride, k_cache, v_cache, tables + p.row * width, p.t_begin, p.t_end, heads, kv_heads,
+                head_dim, block_size, scale, scores.data(), results.data() + i * heads * stride);
   }
   // Merge each row's parts per query head: rescale every part's sum and accumulator to the
   // largest max, then divide once.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = first[r + 1] - first[r];
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      const float* base = results.data() + (first[r] * kv_heads + g * n) * group * stride;
-      for (int64_t h = 0; h < group; ++h) {
-        float* o = out + r * heads * head_dim + (g * group + h) * head_dim;
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < n; ++p) mx = std::max(mx, base[(p * group + h) * stride + head_dim]);
-        std::fill(o, o + head_dim, 0.f);
-        for (int64_t p = 0; p < n; ++p) {
-          const float* part = base + (p * group + h) * stride;
-          const float w = n == 1 ? 1.f : std::exp(part[head_dim] - mx);
-          sum += w * part[head_dim + 1];
+    const float* base = results.data() + first[r] * heads * stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* o = out + (r * heads + h) * head_dim;
+      float mx = -INFINITY, sum = 0.f;
+      for (int64_t p = 0; p < n; ++p) mx = std::max(mx, base[(p * heads + h) * stride + head_dim]);
+      std::fill(o, o + head_dim, 0.f);
+      for (int64_t p = 0; p < n; ++p) {
+        const float* part = base + (p * heads + h) * stride;
+        const float w = n == 1 ? 1.f : std::exp(part[head_dim] - mx);
+        sum += w * part[head_dim + 1];
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) o[i] += w * part[i];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
+        for (int64_t i = 0; i < head_dim; ++i) o[i] += w * part[i];
       }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
     }
   }
   return 0;
