@@ -41,6 +41,7 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
+#define RS_VECTOR_KEYS 1
 constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
@@ -65,6 +66,7 @@ inline void store_sums(const Vec* x, float* out) {
                                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1))));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+#define RS_VECTOR_KEYS 1
 constexpr int64_t kKeys = 8;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -82,14 +84,12 @@ inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels 
   }
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(z[0], z[1], 0x20), _mm256_permute2f128_ps(z[0], z[1], 0x31)));
 }
-#else
-constexpr int64_t kKeys = 0;        // no vector path: every key takes the plain loop
-#endif
+#endif                              // else no vector path: every key takes the plain loop
 
 // q . k for n keys token_stride apart, into s[0..n).
 void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
   int64_t j = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   if (head_dim % lanes == 0) {
     for (; j + kKeys <= n; j += kKeys) {
@@ -113,7 +113,7 @@ void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int
   }
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef RS_VECTOR_KEYS
 // acc[0..M vectors) += sum over j < n of p[j] v_j, values token_stride apart, kept in registers
 // (M is a constant so that they are): not a load and a store of acc per value.
 template <int M>
@@ -131,7 +131,7 @@ void add_values_vec(const float* p, const float* v, int64_t n, int64_t token_str
 
 // acc[0..head_dim) += sum over j < n of p[j] v_j, values token_stride apart.
 void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   if (head_dim % lanes == 0) {
     switch (head_dim / lanes) {
