@@ -59,7 +59,9 @@ def test_int4_groups_decode_gguf_blocks_exactly(qtype):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 7, DENSE_ABOVE_ROWS + 3, 515])   # 515: above vnni's dense_above_rows too
+# 12 and 45: the native kernels' blocks of 8 and 4 rows and a single row after them; 515: the
+# native kernels' chunks of 64 rows with a tail.
+@pytest.mark.parametrize("rows", [1, 7, 12, 45, DENSE_ABOVE_ROWS + 3, 515])
 def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
     blocks, w = random_blocks(qtype)
     linear = QUANT_KERNELS.get(kernel)(from_gguf(qtype, blocks))

@@ -46,7 +46,7 @@ inline __m512i to_int8(__m512 v, float d, int8_t* out) {
 // up over a model's layers).
 // Into the calling thread's own buffers, kept from call to call: seven fresh vectors a call were
 // about half of a small layer's time (a 576x576 weight at batch 1).
-const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
   if (static_cast<int64_t>(out.q.size()) < rows * k) {
@@ -57,20 +57,24 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
     for (auto* v : {&out.dx, &out.dr, &out.fsum}) v->resize(n);
     for (auto* v : {&out.qsum, &out.rsum}) v->resize(n);
   }
+  QuantizedRows& o = out;   // the calling thread's buffers, filled by the team below
+  // A prefill chunk's rows split over the threads (512 rows of 1536: ~0.3 ms on one); a decode
+  // batch's few blocks stay on the calling thread, where waking the team would cost more.
+#pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
     float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.f;
-    __m512i qlo = to_int8(lo, d, out.q.data() + b * kGroup), qhi = to_int8(hi, d, out.q.data() + b * kGroup + 16);
+    __m512i qlo = to_int8(lo, d, o.q.data() + b * kGroup), qhi = to_int8(hi, d, o.q.data() + b * kGroup + 16);
     __m512 rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), _mm512_set1_ps(d), lo);
     __m512 rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), _mm512_set1_ps(d), hi);
     float dr = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(rlo), _mm512_abs_ps(rhi))) / 127.f;
-    __m512i slo = to_int8(rlo, dr, out.r.data() + b * kGroup), shi = to_int8(rhi, dr, out.r.data() + b * kGroup + 16);
-    out.dx[b] = d;
-    out.dr[b] = dr;
-    out.fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    out.qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    out.rsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
+    __m512i slo = to_int8(rlo, dr, o.r.data() + b * kGroup), shi = to_int8(rhi, dr, o.r.data() + b * kGroup + 16);
+    o.dx[b] = d;
+    o.dr[b] = dr;
+    o.fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    o.qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    o.rsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
   }
   return out;
 }
@@ -118,6 +122,66 @@ inline __m512 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
   return _mm512_add_ps(_mm512_add_ps(acc, acc_r), acc_min);
 }
 
+// One tile (16 output rows) times kRows consecutive rows of x from `row`: each block's codes are
+// loaded and unpacked once for all kRows rows (tile_dot pays that again for every row), then
+// meet the rows' q parts, then their r parts, so that the unpacked codes (8 zmm), one part's
+// integer sums (kRows) and the float sums (kRows) stay in the 32 zmm registers at 8 rows.
+template <int kKind, int kRows>
+__attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x,
+                                                     int64_t row, int64_t k, float* y, int64_t y_stride) {
+  constexpr int kCodeBytes = kKind == 2 ? 512 : 256;
+  constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 64 : 32);
+  constexpr int kOffset = kKind == 0 ? 8 : (kKind == 2 ? 128 : 0);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int8_t* parts[2] = {x.q.data() + row * k, x.r.data() + row * k};
+  const float* scales[2] = {x.dx.data() + row * nb, x.dr.data() + row * nb};
+  const int32_t* sums[2] = {x.qsum.data() + row * nb, x.rsum.data() + row * nb};
+  const float* fsum = x.fsum.data() + row * nb;
+  __m512 acc[kRows];
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
+    __m512i w[8];     // the block's codes for 4 input bytes each (Q4_*: low nibbles, then high)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (kKind == 2) {
+        w[j] = _mm512_loadu_si512(rec + 64 * j);
+      } else {
+        const __m512i v = _mm512_loadu_si512(rec + 64 * (j & 3));
+        w[j] = j < 4 ? _mm512_and_si512(v, nibble) : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kCodeBytes)));
+#pragma GCC unroll 2
+    for (int part = 0; part < 2; ++part) {
+      __m512i s[kRows];
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) s[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+#pragma GCC unroll 8
+        for (int i = 0; i < kRows; ++i) {
+          const int32_t* xi = reinterpret_cast<const int32_t*>(parts[part] + i * k + b * kGroup);
+          s[i] = _mm512_dpbusd_epi32(s[i], w[j], _mm512_set1_epi32(xi[j]));
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) {
+        if constexpr (kOffset != 0) s[i] = _mm512_sub_epi32(s[i], _mm512_set1_epi32(kOffset * sums[part][i * nb + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(scales[part][i * nb + b])),
+                                 acc[i]);
+      }
+    }
+    if constexpr (kKind == 1) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kCodeBytes + 32)));
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(fsum[i * nb + b]), acc[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(y + (row + i) * y_stride, acc[i]);
+}
+
 template <int kKind>
 void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
           int threads) {
@@ -125,12 +189,22 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
   const int64_t nb = k / kGroup, width = tiles * kTile;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work.
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 8)));
-#pragma omp parallel for num_threads(n) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = packed + t * nb * kRecBytes;
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 out = tile_dot<kKind>(tile, nb, xq, r, k);
-      _mm512_storeu_ps(y + r * width + t * kTile, out);
+  // Rows in chunks whose quantized activations (~3 KB a row at k = 1536) stay in L2 beside the
+  // weight while every tile of the thread passes over them: 512 rows at once spilled to L3.
+  constexpr int64_t kChunk = 64;
+#pragma omp parallel num_threads(n)
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+    const int64_t r1 = std::min(rows, r0 + kChunk);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* tile = packed + t * nb * kRecBytes;
+      int64_t r = r0;
+      for (; r + 8 <= r1; r += 8) tile_rows<kKind, 8>(tile, nb, xq, r, k, y + t * kTile, width);
+      if (r + 4 <= r1) {
+        tile_rows<kKind, 4>(tile, nb, xq, r, k, y + t * kTile, width);
+        r += 4;
+      }
+      for (; r < r1; ++r) _mm512_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
     }
   }
 }
@@ -142,7 +216,7 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = quantize_rows(x, rows, k);
+  const QuantizedRows& xq = quantize_rows(x, rows, k, threads);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);
