@@ -41,6 +41,8 @@ ISAS = {
     "avx2": Isa(("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "avx2_gemv.cpp"),
 }
 ALL_SOURCES = tuple(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.cpp"))))
+# Headers the sources include: hashed into every build's name, never compiled on their own.
+HEADERS = tuple(sorted(glob.glob(os.path.join(os.path.dirname(__file__), "csrc", "*.h"))))
 CXX_FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "rackserve", "kernels")
 
@@ -68,7 +70,7 @@ def library_digest(isa: str) -> str:
     cxx = compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout if cxx else ""
     digest = hashlib.sha256(repr(((*CXX_FLAGS, *ISAS[isa].cxx_flags), version)).encode())
-    for source in sources(isa):
+    for source in (*sources(isa), *HEADERS):
         with open(source, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_exp.h"
+
 extern "C" {
 
 // residual += h (h may be null: residual alone), then out = residual * rsqrt(mean(residual^2) + eps)
@@ -39,8 +41,7 @@ int rs_silu_and_mul(const float* gate_up, int64_t rows, int64_t n, float* out) {
     const float* g = gate_up + r * 2 * n;
     const float* u = g + n;
     float* o = out + r * n;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    rs_silu_mul_row(g, u, o, n);
   }
   return 0;
 }
