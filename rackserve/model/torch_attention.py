@@ -22,6 +22,9 @@ from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata,
 # The CPU path's score tensor per query block: big enough for efficient matmuls, small enough to
 # stay in cache through mask, softmax and the second matmul.
 _SCORES_BYTES = 16 * 2**20
+# Query rows of a block: smaller blocks skip more of the causal triangle's masked scores (37% of a
+# fresh 512-token prompt's at 128 rows), at a few torch ops more per block.
+_QUERY_BLOCK = 128
 
 
 @dataclass
@@ -134,19 +137,23 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Masked attention of many queries as two batched matmuls: on CPU (torch 2.13) 1.2-2x
         faster than SDPA with a mask, and 2x faster than SDPA's is_causal. A KV group's query
-        heads share one matmul, so GQA needs no repeat of K/V. Queries go in blocks whose scores
-        stay within _SCORES_BYTES: a 512-token chunk over 2K of context runs 2x faster so."""
+        heads share one matmul, so GQA needs no repeat of K/V. Queries go in blocks of at most
+        _QUERY_BLOCK rows whose scores stay within _SCORES_BYTES (a 512-token chunk over 2K of
+        context runs 2x faster so), and each block reads only the keys its last query sees: the
+        causal half of a fresh prompt's scores is never computed."""
         heads, n, hd = q.shape
         kvh, kv_len = k.shape[0], k.shape[1]
-        rows = max(64, _SCORES_BYTES // (heads * kv_len * q.element_size()))
+        rows = min(_QUERY_BLOCK, max(64, _SCORES_BYTES // (heads * kv_len * q.element_size())))
         out = []
         for start in range(0, n, rows):
-            qb, mb = q[:, start:start + rows], mask[start:start + rows]
-            nb = qb.shape[1]
-            scores = (qb.reshape(kvh, heads // kvh * nb, hd) @ k.transpose(1, 2)).mul_(self.scale)
-            scores = scores.view(kvh, heads // kvh, nb, kv_len).masked_fill_(~mb, float("-inf"))
-            probs = scores.softmax(-1).view(kvh, heads // kvh * nb, kv_len)
-            out.append((probs @ v).view(heads, nb, hd))
+            nb = min(rows, n - start)
+            seen = kv_len - n + start + nb          # keys up to the block's last query's position
+            qb = q[:, start:start + nb] * self.scale
+            scores = qb.reshape(kvh, heads // kvh * nb, hd) @ k[:, :seen].transpose(1, 2)
+            blocked = ~mask[start:start + nb, :seen]
+            scores = scores.view(kvh, heads // kvh, nb, seen).masked_fill_(blocked, float("-inf"))
+            probs = scores.softmax(-1).view(kvh, heads // kvh * nb, seen)
+            out.append((probs @ v[:, :seen]).view(heads, nb, hd))
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

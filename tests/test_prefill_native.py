@@ -1,0 +1,35 @@
+"""The prefill path's native pieces against their torch forms: SiLU-and-mul over rows whose width
+is no multiple of the vector (the scalar tail) and gates far into exp's clamped range, and the
+torch backend's blocked causal attention (query blocks that read only the keys they see) against
+SDPA on one chunk over cached context."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rackserve.model import native_ops
+from rackserve.model.torch_attention import TorchAttentionBackend
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="no native library here")
+def test_silu_and_mul_matches_torch_on_tails_and_extremes():
+    n = 203                                 # 25 vectors of 8 and a tail of 3
+    x = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(1)) * 6
+    x[0, :4] = torch.tensor([-200.0, -88.5, 87.0, 200.0])
+    x[1, n - 3:n] = torch.tensor([-100.0, 0.0, 100.0])
+    ref = F.silu(x[:, :n].double()) * x[:, n:].double()
+    torch.testing.assert_close(native_ops.silu_and_mul(x).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("ctx,n", [(0, 300), (37, 129)])
+def test_blocked_causal_attention_matches_sdpa(ctx, n):
+    heads, kvh, hd = 6, 2, 16
+    g = torch.Generator().manual_seed(ctx)
+    q = torch.randn(heads, n, hd, generator=g)
+    k, v = torch.randn(kvh, ctx + n, hd, generator=g), torch.randn(kvh, ctx + n, hd, generator=g)
+    mask = torch.arange(ctx + n)[None, :] <= torch.arange(ctx, ctx + n)[:, None]
+    backend = TorchAttentionBackend(heads, kvh, hd, hd ** -0.5)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0),
+                                         attn_mask=mask, scale=hd ** -0.5)
+    torch.testing.assert_close(backend._attend_cpu(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
