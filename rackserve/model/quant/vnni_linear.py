@@ -13,6 +13,7 @@ holds the kernel; this file must never read checkpoints.
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,10 @@ class VnniLinear(QuantizedLinear):
     below name the build and layout; avx2_linear.py's kernel differs only in them."""
 
     isa, gemv, tile, signed_q8 = "avx512", "rs_vnni_gemv", TILE, False
-    # Against dequantize + dense GEMM for a 3072x576 Q4_1 weight, one thread, CPU time: 3.0x at
-    # 128 rows, 1.4x at 512, 0.64x at 1024; so a 512-token step (the default budget) stays packed.
-    dense_above_rows = 512
+    # Never dense: with blocks of 8 rows the kernel ran 1.1-1.3x torch's fp32 GEMM of the weight
+    # already dequantized at 512 and 2048 rows (3072x576 and 576x1536 Q4_1, 2 threads), before
+    # counting the dequantization a dense call would pay.
+    dense_above_rows = sys.maxsize
     rounds_outputs = False      # ~1e-5 of a row's scale: no top logits to recompute
 
     def __init__(self, weight: Int4Groups):
