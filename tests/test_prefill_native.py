@@ -33,3 +33,22 @@ def test_blocked_causal_attention_matches_sdpa(ctx, n):
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0),
                                          attn_mask=mask, scale=hd ** -0.5)
     torch.testing.assert_close(backend._attend_cpu(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native_ops.library() is None, reason="no native library here")
+@pytest.mark.parametrize("ctx,n,block_size", [(0, 37, 16), (45, 20, 8)])
+def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size):
+    """A chunk of n queries after ctx cached tokens, its blocks scattered in the cache, GQA (3 query
+    heads a KV head), n not a multiple of the kernel's 16 rows: against SDPA on the gathered keys."""
+    heads, kvh, hd, blocks = 6, 2, 32, 16
+    g = torch.Generator().manual_seed(n)
+    total = ctx + n
+    table = torch.randperm(blocks, generator=g)[:-(-total // block_size)]
+    k_cache, v_cache = (torch.randn(blocks, block_size, kvh, hd, generator=g) for _ in range(2))
+    q = torch.randn(n, heads, hd, generator=g) * 3          # peaked softmaxes too
+    k = k_cache[table].flatten(0, 1)[:total].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+    v = v_cache[table].flatten(0, 1)[:total].transpose(0, 1).repeat_interleave(heads // kvh, 0)
+    mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=hd ** -0.5)
+    out = native_ops.prefill_attention(q, k_cache, v_cache, table, ctx, hd ** -0.5)
+    torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * hd), rtol=1e-5, atol=1e-5)

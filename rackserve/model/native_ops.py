@@ -22,6 +22,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx512 build's GEMV
     "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
+    "rs_prefill_attention": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
@@ -115,6 +116,27 @@ def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, si
         return False
     lib.rs_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
     return True
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                      ctx: int, scale: float) -> torch.Tensor | None:
+    """One request's chunk of queries (q [n, heads, head_dim], positions ctx .. ctx + n - 1) against
+    its paged cache, which already holds the chunk's own K and V, causally; [n, heads * head_dim].
+    `table`: the request's block ids (int64) covering ctx + n tokens. None where the native
+    library cannot (the caller runs its torch form)."""
+    n, heads, head_dim = q.shape
+    plain = (q.stride(2) == 1 and q.stride(1) == head_dim and head_dim % 16 == 0 and head_dim <= 256
+             and table.dtype == torch.int64 and table.is_contiguous() and k_cache.dim() == 4)
+    lib = _native(q, k_cache, v_cache) if plain else None
+    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = q.new_empty(n, heads * head_dim)
+    rc = lib.rs_prefill_attention(q.data_ptr(), q.stride(0), n, ctx, k_cache.data_ptr(), v_cache.data_ptr(),
+                                  table.data_ptr(), heads, kv_heads, head_dim, block_size, scale, out.data_ptr(),
+                                  torch.get_num_threads())
+    assert rc == 0, "rs_prefill_attention refused its arguments"
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -5,7 +5,8 @@ are gathered through its block table, padded to the longest row and masked (a lo
 blocks are consecutive, as a single stream's usually are, is read in place as a view); the query heads of a
 KV group ride along as the query-length axis, so GQA needs no repeat of K/V. Multi-token queries
 (prefill chunks, with or without cached context) run one call per request with a causal mask
-offset by the cached context: SDPA on CUDA, two batched matmuls on CPU, where that is faster.
+offset by the cached context: SDPA on CUDA; on CPU in float32 one native call over the paged cache
+(csrc/prefill_attention.cpp, flash attention's online softmax), else two batched matmuls.
 This file must never allocate the KV cache or decide what runs.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PrefillChunk:
     block_ids: torch.Tensor | None    # blocks holding the kv_len tokens; None: no cached context
     mask: torch.Tensor | None         # [end - start, kv_len] bool causal mask offset by the context;
                                       # None for a fresh prompt on CUDA (SDPA's is_causal)
+    table: torch.Tensor | None = None  # CPU: the blocks holding the kv_len tokens, for the native kernel
 
 
 @dataclass
@@ -75,7 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
                 # SDPA's is_causal serves a fresh prompt on CUDA; the CPU path takes a mask.
                 mask = (None if ctx == 0 and device.type != "cpu" else
                         torch.arange(kv_len, device=device)[None, :] <= torch.arange(ctx, kv_len, device=device)[:, None])
-                prefills.append(PrefillChunk(start, start + n, kv_len, block_ids, mask))
+                table_ids = (None if device.type != "cpu" else block_ids if block_ids is not None else
+                             torch.tensor(table[:-(-kv_len // bs)], dtype=torch.long))
+                prefills.append(PrefillChunk(start, start + n, kv_len, block_ids, mask, table_ids))
             start += n
 
         rows: slice | torch.Tensor | None = None
@@ -118,6 +122,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, p: PrefillChunk, workspace: Workspace) -> torch.Tensor:
+        if p.table is not None:
+            # float32 on CPU: one native call over the paged cache (native_ops.prefill_attention).
+            o = native_ops.prefill_attention(q[p.start:p.end], k_cache, v_cache, p.table, p.kv_len - (p.end - p.start),
+                                             self.scale)
+            if o is not None:
+                return o
         qi = q[p.start:p.end].transpose(0, 1)                          # [H, n, hd]
         if p.block_ids is None:
             ki, vi = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
