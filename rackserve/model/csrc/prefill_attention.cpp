@@ -32,10 +32,38 @@ inline rs_f16 load16(const float* p) {
 
 inline void store16(float* p, rs_f16 v) { std::memcpy(p, &v, sizeof v); }
 
+// Tree reductions by whole-vector shuffles: indexing a vector's lanes one by one makes GCC store
+// it and reload each lane, which stalled the first form of this kernel to ~20 GFLOP/s.
 inline float hmax(rs_f16 v) {
-  float m = v[0];
-  for (int i = 1; i < kKeys; ++i) m = std::max(m, v[i]);
-  return m;
+  { const rs_f16 w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = v > w ? v : w; }
+  { const rs_f16 w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = v > w ? v : w; }
+  { const rs_f16 w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = v > w ? v : w; }
+  { const rs_f16 w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = v > w ? v : w; }
+  return v[0];
+}
+
+inline float hsum(rs_f16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// a[0 .. 16 kVecs) = a * corr + sum over t < visible of p[t] * vrow[t][off ..]: the kVecs sums
+// side by side, so that each value row's multiply-adds are independent of each other.
+template <int kVecs>
+inline void add_values(float* a, float corr, const float* p, const float* const* vrow, int64_t visible,
+                       int64_t off = 0) {
+  rs_f16 o[kVecs];
+#pragma GCC unroll 4
+  for (int j = 0; j < kVecs; ++j) o[j] = load16(a + 16 * j) * corr;
+  for (int64_t t = 0; t < visible; ++t) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) o[j] += p[t] * load16(vrow[t] + off + 16 * j);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < kVecs; ++j) store16(a + 16 * j, o[j]);
 }
 
 }  // namespace
@@ -84,22 +112,29 @@ int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ct
           const int64_t pos = ctx + r0 + v / group;           // this query's position
           if (c0 > pos) continue;                             // every key here is in its future
           const float* qv = qs.data() + v * head_dim;
-          rs_f16 s = rs_f16{};
-          for (int64_t d = 0; d < head_dim; ++d) s += qv[d] * load16(kt.data() + d * kKeys);
+          // Four independent sums: one chain of head_dim multiply-adds waits on each one's latency.
+          rs_f16 s4[4] = {};
+          for (int64_t d = 0; d < head_dim; d += 4) {
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; ++u) s4[u] += qv[d + u] * load16(kt.data() + (d + u) * kKeys);
+          }
+          rs_f16 s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
           const int64_t visible = std::min<int64_t>(nk, pos - c0 + 1);
-          for (int64_t t = visible; t < kKeys; ++t) s[t] = -3.0e38f;
+          const rs_i16 seen_mask = rs_f16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < static_cast<float>(visible);
+          s = seen_mask ? s : rs_f16{} - 3.0e38f;
           const float m_new = std::max(m[v], hmax(s));
-          const rs_f16 p = rs_expv<rs_f16, rs_i16>(s - m_new);
+          rs_f16 p = rs_expv<rs_f16, rs_i16>(s - m_new);
+          p = seen_mask ? p : rs_f16{};
           const float corr = rs_expv<rs_f16, rs_i16>(rs_f16{} + (m[v] - m_new))[0];
-          float sum = 0.f;
-          for (int64_t t = 0; t < visible; ++t) sum += p[t];
-          l[v] = l[v] * corr + sum;
+          l[v] = l[v] * corr + hsum(p);
           m[v] = m_new;
+          alignas(64) float pw[kKeys];
+          std::memcpy(pw, &p, sizeof pw);
           float* a = acc.data() + v * head_dim;
-          for (int64_t j = 0; j < vecs; ++j) {
-            rs_f16 o = load16(a + 16 * j) * corr;
-            for (int64_t t = 0; t < visible; ++t) o += p[t] * load16(vrow[t] + 16 * j);
-            store16(a + 16 * j, o);
+          if (vecs == 4) {
+            add_values<4>(a, corr, pw, vrow.data(), visible);
+          } else {
+            for (int64_t j = 0; j < vecs; ++j) add_values<1>(a + 16 * j, corr, pw, vrow.data(), visible, 16 * j);
           }
         }
       }
