@@ -9,16 +9,29 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.model import native_ops
+from rackserve.model.native import ISAS, unavailable_reason
 from rackserve.model.torch_attention import TorchAttentionBackend
 
+# The native tests run on both builds (an AVX-512 machine runs both), as tests/test_native_ops.py's.
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif((why := unavailable_reason(isa=isa)) is not None,
+                                                     reason=str(why))) for isa in ISAS]
 
-@pytest.mark.skipif(native_ops.library() is None, reason="no native library here")
-def test_silu_and_mul_matches_torch_on_tails_and_extremes():
+
+@pytest.fixture
+def build(request):
+    native_ops.use_isa(request.param)
+    yield request.param
+    native_ops.use_isa("auto")
+
+
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
+def test_silu_and_mul_matches_torch_on_tails_and_extremes(build):
     n = 203                                 # 25 vectors of 8 and a tail of 3
     x = torch.randn(5, 2 * n, generator=torch.Generator().manual_seed(1)) * 6
     x[0, :4] = torch.tensor([-200.0, -88.5, 87.0, 200.0])
     x[1, n - 3:n] = torch.tensor([-100.0, 0.0, 100.0])
     ref = F.silu(x[:, :n].double()) * x[:, n:].double()
+    assert native_ops.library() is not None
     torch.testing.assert_close(native_ops.silu_and_mul(x).double(), ref, rtol=1e-6, atol=1e-6)
 
 
@@ -35,9 +48,9 @@ def test_blocked_causal_attention_matches_sdpa(ctx, n):
     torch.testing.assert_close(backend._attend_cpu(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(native_ops.library() is None, reason="no native library here")
+@pytest.mark.parametrize("build", BUILDS, indirect=True)
 @pytest.mark.parametrize("ctx,n,block_size", [(0, 37, 16), (45, 20, 8)])
-def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size):
+def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size, build):
     """A chunk of n queries after ctx cached tokens, its blocks scattered in the cache, GQA (3 query
     heads a KV head), n not a multiple of the kernel's 16 rows: against SDPA on the gathered keys."""
     heads, kvh, hd, blocks = 6, 2, 32, 16
@@ -51,4 +64,5 @@ def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_
     mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=hd ** -0.5)
     out = native_ops.prefill_attention(q, k_cache, v_cache, table, ctx, hd ** -0.5)
+    assert out is not None, "the native kernel declined a float32 CPU chunk"
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * hd), rtol=1e-5, atol=1e-5)

@@ -34,19 +34,30 @@ inline void store16(float* p, rs_f16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Tree reductions by whole-vector shuffles: indexing a vector's lanes one by one makes GCC store
 // it and reload each lane, which stalled the first form of this kernel to ~20 GFLOP/s.
+// Lane i takes lane i ^ K.
+template <int K>
+inline rs_f16 lanes_xor(rs_f16 v) {
+  return __builtin_shufflevector(v, v, 0 ^ K, 1 ^ K, 2 ^ K, 3 ^ K, 4 ^ K, 5 ^ K, 6 ^ K, 7 ^ K, 8 ^ K, 9 ^ K,
+                                 10 ^ K, 11 ^ K, 12 ^ K, 13 ^ K, 14 ^ K, 15 ^ K);
+}
+
 inline float hmax(rs_f16 v) {
-  { const rs_f16 w = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); v = v > w ? v : w; }
-  { const rs_f16 w = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); v = v > w ? v : w; }
-  { const rs_f16 w = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); v = v > w ? v : w; }
-  { const rs_f16 w = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); v = v > w ? v : w; }
+  rs_f16 w = lanes_xor<8>(v);
+  v = v > w ? v : w;
+  w = lanes_xor<4>(v);
+  v = v > w ? v : w;
+  w = lanes_xor<2>(v);
+  v = v > w ? v : w;
+  w = lanes_xor<1>(v);
+  v = v > w ? v : w;
   return v[0];
 }
 
 inline float hsum(rs_f16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v += lanes_xor<8>(v);
+  v += lanes_xor<4>(v);
+  v += lanes_xor<2>(v);
+  v += lanes_xor<1>(v);
   return v[0];
 }
 
@@ -120,7 +131,8 @@ int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ct
           }
           rs_f16 s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
           const int64_t visible = std::min<int64_t>(nk, pos - c0 + 1);
-          const rs_i16 seen_mask = rs_f16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} < static_cast<float>(visible);
+          const rs_f16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+          const rs_i16 seen_mask = lane < static_cast<float>(visible);
           s = seen_mask ? s : rs_f16{} - 3.0e38f;
           const float m_new = std::max(m[v], hmax(s));
           rs_f16 p = rs_expv<rs_f16, rs_i16>(s - m_new);
