@@ -25,6 +25,10 @@ from tests.tiny_models import build_tiny_deepseek_v4
 from tests.tokenizer_utils import save_test_tokenizer
 
 NUM_TOKENS = 16
+# The KV cache's size pins nothing here but its sizing: the default 2 GiB is millions of blocks of
+# this tiny model, whose bookkeeping (built at start, walked by check_integrity) took most of each
+# test's time. 16 MiB still holds every prompt of both runs many times over.
+KV_GIB = 1 / 64
 _TopK = collections.namedtuple("_TopK", "values indices")
 
 # A second config unlike the first: CSA first with a single indexer head (ties are common) keeping
@@ -120,7 +124,7 @@ def test_greedy_tokens_match_transformers(v4_case, setting):
         def record(self, sched_stats, iter_stats):
             preemptions.append(sched_stats.num_preemptions)
 
-    with LLM(model_dir, dtype="float32", device="cpu", **SETTINGS[setting]) as llm:
+    with LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory=KV_GIB, **SETTINGS[setting]) as llm:
         llm.engine.stat_loggers.append(Count())
         assert run(llm, prompts) == expected
         # Again: the longer prompts now hit their compressed entries in the prefix cache and replay
@@ -170,7 +174,8 @@ def test_parallel_runs_give_the_one_process_tokens(v4_case, parallel):
     # One process gives transformers' tokens (above), so the reference stands in for it.
     model_dir, prompts, expected = v4_case
     picked = [0, 2, 5, 7]
-    with LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=64, **parallel) as llm:
+    with LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=64, kv_cache_memory=KV_GIB,
+             **parallel) as llm:
         assert run(llm, [prompts[i] for i in picked]) == [expected[i] for i in picked]
 
 
@@ -186,7 +191,8 @@ def test_served_through_the_openai_api_and_bench_serve(v4_case, tmp_path):
     from tests.server_utils import start_server
     model_dir, prompts, expected = v4_case
     proc, url = start_server(["--model", model_dir, "--served-model-name", "tiny-v4", "--device", "cpu",
-                              "--dtype", "float32", "--max-model-len", "1024"], tmp_path / "server.log")
+                              "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(KV_GIB)],
+                             tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
