@@ -21,14 +21,11 @@ import transformers
 
 from rackserve import LLM, SamplingParams
 from rackserve.model.torch_dsv4_attention import topk_earliest
-from tests.tiny_models import build_tiny_deepseek_v4
+from tests.tiny_models import TINY_KV_CACHE_GIB, build_tiny_deepseek_v4
 from tests.tokenizer_utils import save_test_tokenizer
 
 NUM_TOKENS = 16
-# The KV cache's size pins nothing here but its sizing: the default 2 GiB is millions of blocks of
-# this tiny model, whose bookkeeping (built at start, walked by check_integrity) took most of each
-# test's time. 16 MiB still holds every prompt of both runs many times over.
-KV_GIB = 1 / 64
+KV_GIB = TINY_KV_CACHE_GIB     # the default 2 GiB is millions of blocks of the tiny V4: most of a test's time
 _TopK = collections.namedtuple("_TopK", "values indices")
 
 # A second config unlike the first: CSA first with a single indexer head (ties are common) keeping

@@ -36,6 +36,11 @@ DEEPSEEK_YARN_ROPE: dict[str, Any] = {"rope_type": "yarn", "rope_theta": 10000.0
                                       "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
                                       "mscale": 1.0, "mscale_all_dim": 0.8}
 
+# The KV cache for engines and servers of these models, GiB, where its size pins nothing: the
+# default 2 GiB is 100k-2.5M blocks of a tiny model, whose bookkeeping (built at start, walked by
+# every check_integrity) cost seconds an engine; 16 MiB still holds thousands of blocks.
+TINY_KV_CACHE_GIB = 1 / 64
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                  "DeepseekV3ForCausalLM")
 
