@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from rackserve import LLM, SamplingParams
+from tests.tiny_models import TINY_KV_CACHE_GIB
 
 NUM_TOKENS = 32
 
@@ -72,7 +73,7 @@ def model_case(request):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_tokens_match_transformers(model_case, setting):
     model_dir, prompts, expected = model_case
-    with LLM(model_dir, dtype="float32", device="cpu", **SETTINGS[setting]) as llm:
+    with LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB, **SETTINGS[setting]) as llm:
         assert run(llm, prompts) == expected
         # A second pass hits the prefix cache for every prompt and must not change a token.
         assert run(llm, prompts) == expected
@@ -92,7 +93,7 @@ def test_preemption_actually_happens(tiny_llama_dir):
 
 
 def test_prefix_hits_are_reported(tiny_llama_dir):
-    with LLM(tiny_llama_dir, dtype="float32", device="cpu") as llm:
+    with LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB) as llm:
         prompt = {"prompt_token_ids": list(range(1, 70))}
         params = SamplingParams(temperature=0.0, max_tokens=4)
         first = llm.generate(prompt, params)[0]
@@ -106,7 +107,7 @@ def test_seeded_sampling_is_unchanged_by_preemption_and_batching(tiny_llama_dir)
     prompts = [{"prompt_token_ids": p} for p in prompts_for(256)]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=NUM_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]
-    with LLM(tiny_llama_dir, dtype="float32", device="cpu") as llm:
+    with LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB) as llm:
         alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     with LLM(tiny_llama_dir, dtype="float32", device="cpu", **SETTINGS["preempt"]) as llm:
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
