@@ -28,7 +28,7 @@ from rackserve.model.moe_dispatch import ExpertPlacement
 from rackserve.model.gate import Routing
 from rackserve.serve.metrics import PrometheusStatLogger
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, prompts_for, run
-from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, build_tiny_model
+from tests.tiny_models import DEEPSEEK_V3, QWEN3_MOE, TINY_KV_CACHE_GIB, build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
 ENGINE = dict(dtype="float32", device="cpu")
@@ -181,7 +181,7 @@ def test_tp2_and_ep2_give_one_process_tokens_and_expert_counts(request, case):
 def test_expert_counts_reach_metrics(tiny_qwen3_moe_dir):
     # 2 sparse layers (layer 1 is dense), top-2: each token the forward computes adds 4 pairs.
     prometheus, counts = PrometheusStatLogger("tiny"), ExpertCounts()
-    with LLM(tiny_qwen3_moe_dir, **ENGINE, max_num_batched_tokens=64) as llm:
+    with LLM(tiny_qwen3_moe_dir, **ENGINE, max_num_batched_tokens=64, kv_cache_memory=TINY_KV_CACHE_GIB) as llm:
         llm.engine.stat_loggers += [prometheus, counts]
         prompts = prompts_for(512)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
