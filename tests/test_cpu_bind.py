@@ -12,6 +12,7 @@ import pytest
 from rackserve.config import EngineArgs
 from rackserve.executor.cpu_bind import format_cpu_list, parse_cpu_list
 from tests.server_utils import start_server, stop_all
+from tests.tiny_models import TINY_KV_CACHE_GIB
 
 
 def test_cpu_lists_parse_and_print_like_the_kernels():
@@ -44,7 +45,7 @@ def _thread_cpus(pid: int) -> dict[int, str]:
 def test_every_thread_of_a_bound_instance_runs_on_its_cpus(tiny_llama_dir, tmp_path):
     cpu = str(max(os.sched_getaffinity(0)))
     proc, url = start_server(["--model", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-model-len", "128",
-                              "--cpu-omp-threads-bind", cpu], tmp_path / "serve.log")
+                              "--kv-cache-memory", str(TINY_KV_CACHE_GIB), "--cpu-omp-threads-bind", cpu], tmp_path / "serve.log")
     try:
         # A request first: the forward starts torch's thread pool, which must inherit the binding.
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 3,
