@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from rackserve.executor.cpu_bind import format_cpu_list
+from tests.tiny_models import TINY_KV_CACHE_GIB
 
 
 def test_bench_pd_itl_runs_disaggregated_and_records_the_goal(tiny_llama_dir, tmp_path):
@@ -24,7 +25,7 @@ def test_bench_pd_itl_runs_disaggregated_and_records_the_goal(tiny_llama_dir, tm
     # Its own session: a bench that fails or times out takes the instances it started with it.
     bench = subprocess.Popen([sys.executable, "-m", "rackserve", "bench", "pd-itl", "--model", tiny_llama_dir,
                               "--max-model-len", "256", "--setups", "pd",
-                              "--engine-args", "--dtype float32 --device cpu",
+                              "--engine-args", f"--dtype float32 --device cpu --kv-cache-memory {TINY_KV_CACHE_GIB}",
                               "--prefill-cpus", prefill, "--decode-cpus", decode, "--duration", "2",
                               "--decode-tokens", "8", "--long-prompt-tokens", "96", "--long-output-tokens", "2",
                               "--long-interval", "0.5", "--max-token-id", "500", "--output", str(out)],
