@@ -3,12 +3,15 @@ the tokens they claim, and write results with ratios and limits."""
 import json
 
 from rackserve.serve.cli import main
+from tests.tiny_models import TINY_KV_CACHE_GIB
+
+KV = ["--kv-cache-memory", str(TINY_KV_CACHE_GIB)]   # the default 2 GiB is 175k blocks of the tiny Llama
 
 
 def test_latency_writes_rackserve_hf_and_limit(tiny_llama_dir, tmp_path):
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", "--model", tiny_llama_dir, "--input-len", "12", "--output-len", "8",
-                 "--runs", "2", "--output", str(out)]) == 0
+                 "--runs", "2", "--output", str(out), *KV]) == 0
     result = json.loads(out.read_text())
     assert result["rackserve"]["decode_tok_s"] > 0 and result["hf"]["decode_tok_s"] > 0
     assert result["decode_ratio_vs_hf"] == result["rackserve"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
@@ -23,7 +26,7 @@ def test_throughput_serves_every_requested_token(tiny_llama_dir, tmp_path):
     out = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--model", tiny_llama_dir, "--num-prompts", "6",
                  "--input-len-range", "8,40", "--output-len-range", "2,9", "--peer-batch-size", "4",
-                 "--output", str(out)]) == 0
+                 "--output", str(out), *KV]) == 0
     result = json.loads(out.read_text())
     total = result["prompt_tokens"] + result["output_tokens"]
     assert abs(result["rackserve"]["processed_tok_s"] * result["rackserve"]["seconds"] - total) < 1e-6 * total
