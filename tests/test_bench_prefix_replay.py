@@ -7,7 +7,7 @@ import torch
 
 from rackserve.bench.prefix_replay import run_prefix_replay  # noqa: F401  (registers the command)
 from rackserve.serve.cli import main
-from tests.tiny_models import build_tiny_deepseek_v4
+from tests.tiny_models import TINY_KV_CACHE_GIB, build_tiny_deepseek_v4
 from tests.tokenizer_utils import save_test_tokenizer
 
 
@@ -19,7 +19,8 @@ def test_a_cached_prefix_costs_a_bounded_replay_and_fewer_kv_bytes_than_deepseek
     torch.set_num_threads(1)
     try:
         assert main(["bench", "prefix-replay", "--model", model, "--dtype", "float32", "--device", "cpu",
-                     "--prefix-lens", "80,160", "--new-tokens", "8", "--repeats", "1", "--output", str(out)]) == 0
+                     "--prefix-lens", "80,160", "--new-tokens", "8", "--repeats", "1", "--output", str(out),
+                     "--kv-cache-memory", str(TINY_KV_CACHE_GIB)]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
@@ -41,5 +42,5 @@ def test_a_cached_prefix_costs_a_bounded_replay_and_fewer_kv_bytes_than_deepseek
 
 def test_a_model_with_one_cache_group_is_refused(tiny_llama_dir, capsys):
     assert main(["bench", "prefix-replay", "--model", tiny_llama_dir, "--dtype", "float32", "--device", "cpu",
-                 "--prefix-lens", "32", "--repeats", "1"]) == 2
+                 "--prefix-lens", "32", "--repeats", "1", "--kv-cache-memory", str(TINY_KV_CACHE_GIB)]) == 2
     assert "one KV cache group" in capsys.readouterr().err
