@@ -23,6 +23,9 @@ from tests.tokenizer_utils import save_test_tokenizer
 TRACE = os.path.join(os.path.dirname(__file__), "data", "weka_tiny.jsonl")
 MAX_MODEL_LEN = 4096
 SERVER_BLOCK = 16                       # rackserve's default KV block size: the cache's granularity
+# 64 MiB: room for ~87k tokens of the tiny model, far more than a run's conversations hold, so
+# nothing the checks look for is evicted; the default 2 GiB (175k blocks) cost seconds to set up.
+KV_CACHE_GIB = 1 / 16
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,8 @@ def server(tmp_path_factory):
     save_test_tokenizer(str(root / "tokenizer"), 512)
     proc, url = start_server(
         ["--model", model, "--tokenizer", str(root / "tokenizer"), "--served-model-name", "tiny",
-         "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN)], root / "server.log")
+         "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(KV_CACHE_GIB)],
+        root / "server.log")
     yield url, str(root / "tokenizer"), root
     proc.terminate()
     proc.wait(timeout=30)
