@@ -10,13 +10,14 @@ import pytest
 from rackserve.bench.step_trace import main
 from rackserve.sim.calibrate import FIRST_STEPS, TRACE_POINTS, trace_points
 from rackserve.sim.cost import SeqWork
+from tests.tiny_models import TINY_KV_CACHE_GIB
 
 
 def test_trace_records_the_real_steps_and_drives_the_clock_by_them(tiny_llama_dir, tmp_path):
     out = tmp_path / "trace.json"
     assert main(["--model", tiny_llama_dir, "--hardware", "H100", "--workload", "random", "--random-input-len", "100",
                  "--random-output-len", "6", "--max-num-batched-tokens", "64", "--concurrency", "2",
-                 "--duration", "0.5", "--output", str(out)]) == 0
+                 "--duration", "0.5", "--kv-cache-memory", str(TINY_KV_CACHE_GIB), "--output", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     steps = run["steps"]
     done = [r for r in run["requests"] if r["error"] is None]
