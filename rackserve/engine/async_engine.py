@@ -27,18 +27,28 @@ class AsyncEngine:
                  max_waiting_requests: int | None = None):
         """`max_waiting_requests`: most sequences (a request counts its n) taken but without a
         first token yet; None: unbounded."""
-        self.engine = LLMEngine(config, stat_loggers)
         self.max_waiting_requests = max_waiting_requests
         self.num_waiting = 0              # sequences taken, no first token yet (the callers' loop only)
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="rackserve-engine", daemon=True)
+        # The engine is built on the thread that steps it, so one thread alone opens OpenMP
+        # regions: libgomp gives each such thread a pool of its own, and once its threads outnumber
+        # the cores it spins ~1,000 times instead of ~300,000 at a barrier, so every one of a
+        # step's ~150 regions would wake sleeping workers (a served step measured 2x bench forward's).
+        failed: list[BaseException] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._build_and_run, args=(config, stat_loggers, failed, ready),
+                                        name="rackserve-engine", daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            self._thread.join()
+            raise failed[0]
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
 
     async def generate(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None,
@@ -110,6 +120,17 @@ class AsyncEngine:
     def _send(self, kind: str, payload: Any) -> None:
         self._commands.put((kind, payload))
         self._wake.set()
+
+    def _build_and_run(self, config: EngineConfig | EngineArgs, stat_loggers: list[StatLogger] | tuple,
+                       failed: list[BaseException], ready: threading.Event) -> None:
+        try:
+            self.engine = LLMEngine(config, stat_loggers)
+        except BaseException as e:   # noqa: BLE001 - the constructor re-raises it in the caller
+            failed.append(e)
+            return
+        finally:
+            ready.set()
+        self._run()
 
     def _run(self) -> None:
         try:
