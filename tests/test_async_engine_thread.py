@@ -1,0 +1,39 @@
+"""AsyncEngine builds its LLMEngine on the engine thread (the one that steps it): a failure to
+build reaches the caller, and a built engine generates what the offline LLM does."""
+import asyncio
+import threading
+
+import pytest
+
+from rackserve.config import EngineArgs
+from rackserve.engine.async_engine import AsyncEngine
+from rackserve.engine.llm import LLM
+from rackserve.sampling_params import SamplingParams
+from tests.tiny_models import build_tiny_model
+
+
+def test_a_failed_build_raises_in_the_caller_and_leaves_no_engine_thread(tmp_path):
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(Exception):
+        AsyncEngine(EngineArgs(model=str(tmp_path / "missing"), device="cpu"))
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "rackserve-engine"]
+
+
+def test_the_engine_thread_generates_what_the_offline_engine_does(tmp_path):
+    path = build_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    args = EngineArgs(model=path, device="cpu", num_gpu_blocks_override=32, max_model_len=256, skip_tokenizer_init=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [1, 5, 9, 13, 17]}
+    engine = AsyncEngine(args)
+    try:
+        async def run():
+            tokens = []
+            async for out in engine.generate(prompt, params, "r0"):
+                tokens += out.outputs[0].token_ids
+            return tokens
+        served = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    offline = LLM(path, device="cpu", num_gpu_blocks_override=32, max_model_len=256, skip_tokenizer_init=True).generate(
+        [prompt], params)[0].outputs[0].token_ids
+    assert served == list(offline) and len(served) == 6
