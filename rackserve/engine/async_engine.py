@@ -35,9 +35,10 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         # The engine is built on the thread that steps it, so one thread alone opens OpenMP
-        # regions: libgomp gives each such thread a pool of its own, and once its threads outnumber
-        # the cores it spins ~1,000 times instead of ~300,000 at a barrier, so every one of a
-        # step's ~150 regions would wake sleeping workers (a served step measured 2x bench forward's).
+        # regions: libgomp gives each such thread a pool of its own, and once the threads it manages
+        # (every pool's) outnumber the cores its barriers spin a short throttled count instead of
+        # ~300,000 times, so each of a step's ~150 regions would wake sleeping workers (a served
+        # decode step measured up to 2x bench forward's).
         failed: list[BaseException] = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._build_and_run, args=(config, stat_loggers, failed, ready),
