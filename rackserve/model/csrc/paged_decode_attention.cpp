@@ -17,27 +17,30 @@
 #include <cstring>
 #include <vector>
 
+#include "vec_exp.h"
+
 namespace {
 
-// exp(x) for the x <= 0 of a softmax after its max is subtracted (Cephes' expf: x = n ln2 + r,
-// a degree-7 polynomial in r, times 2^n; relative error ~2e-7). Arithmetic only, so that the
-// loop around it vectorises: std::exp is a scalar libm call of ~20 ns, which was most of this
-// kernel's time (0.1 ms a layer at 257 tokens of context on SmolLM2).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);          // 2^n stays a normal float
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+// exp(x - mx) over a row of scores in place, 16 at a time (vec_exp.h: arithmetic the build
+// vectorises for its ISA; std::exp is a scalar libm call of ~20 ns, which was most of this kernel's
+// time at 257 tokens of context on SmolLM2); returns their sum.
+float exp_shifted_sum(float* s, int64_t n, float mx) {
+  rs_f16 sum = {};
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    rs_f16 v;
+    __builtin_memcpy(&v, s + t, sizeof v);
+    v = rs_expv<rs_f16, rs_i16>(v - mx);
+    __builtin_memcpy(s + t, &v, sizeof v);
+    sum += v;
+  }
+  float total = 0.f;
+  for (int i = 0; i < 16; ++i) total += sum[i];
+  for (; t < n; ++t) {
+    s[t] = rs_expv<rs_f16, rs_i16>(rs_f16{} + (s[t] - mx))[0];
+    total += s[t];
+  }
+  return total;
 }
 
 #if defined(__AVX512F__)
@@ -178,12 +181,7 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t] *= scale);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      sh[t] = exp_nonpositive(sh[t] - mx);
-      sum += sh[t];
-    }
+    const float sum = exp_shifted_sum(sh, len, mx);
     float* ph = part + h * (head_dim + 2);
     std::fill(ph, ph + head_dim, 0.f);
     ph[head_dim] = mx;
