@@ -37,8 +37,16 @@ def _alive(pid: int) -> bool:
 
 
 def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return sorted(int(p) for p in f.read().split())
+    """pid's child processes, whichever of its threads started them (a server starts its workers
+    on the engine thread, whose task lists them, not the main thread's)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+        except FileNotFoundError:       # the thread ended meanwhile
+            pass
+    return sorted(children)
 
 
 def _worker_pids(pid: int) -> list[int]:
