@@ -290,3 +290,25 @@ def test_a_backend_that_pads_decodes_prices_each_at_the_longest_context():
     assert CostModel(spec, padded)._attention(lone).bytes == CostModel(spec, paged)._attention(lone).bytes
     prefill = [SeqWork(300, 0), SeqWork(1, 4000)]    # a prompt chunk is not padded to the decodes
     assert CostModel(spec, padded)._attention(prefill).bytes == CostModel(spec, paged)._attention(prefill).bytes
+
+
+def test_the_native_decode_attentions_busiest_thread_sets_the_decodes_pace():
+    """csrc/paged_decode_attention.cpp's split, by hand: under 1,024 keys (tokens x KV heads) one
+    thread does it all; a long context is cut into parts of >= 256 tokens, about two per thread,
+    handed out in contiguous runs (OpenMP static), so one long row beside a short one puts both of
+    the long row's halves on the first thread. Prompt chunks are not split by it."""
+    import dataclasses
+    from rackserve.sim.cpu_attention import decode_attention_imbalance
+    assert decode_attention_imbalance([257], kv_heads=3, threads=2) == 2.0          # 771 keys: one thread
+    assert decode_attention_imbalance([2048], kv_heads=3, threads=2) == 1.0         # 4 parts of 512
+    assert decode_attention_imbalance([3000, 200], kv_heads=3, threads=2) == 3000 * 2 / 3200
+    assert decode_attention_imbalance([700, 300], kv_heads=3, threads=2) == 700 * 2 / 1000   # one part each
+    assert decode_attention_imbalance([3000, 200], kv_heads=3, threads=1) == 1.0
+    spec = load_model_spec("smollm2-135m-instruct")
+    even = dataclasses.replace(load_hardware("cpu"), pads_decodes=False, decode_attn_threads=0)
+    split = dataclasses.replace(even, decode_attn_threads=2)
+    mixed = [SeqWork(1, 2999), SeqWork(1, 199)]
+    assert CostModel(spec, split)._attention(mixed).bytes > 1.8 * CostModel(spec, even)._attention(mixed).bytes
+    balanced, prompt = [SeqWork(1, 2047), SeqWork(1, 2047)], [SeqWork(300, 0), SeqWork(200, 100)]
+    assert CostModel(spec, split)._attention(balanced).bytes == CostModel(spec, even)._attention(balanced).bytes
+    assert CostModel(spec, split)._attention(prompt).bytes == CostModel(spec, even)._attention(prompt).bytes

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rackserve.sim.cpu_attention import decode_attention_imbalance
 from rackserve.sim.efficiency import efficiency
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec
@@ -123,16 +124,20 @@ class CostModel:
         flops = index = read = 0.0
         decodes = [w.context for w in batch if w.new_tokens == 1]
         longest_decode = max(decodes) if self.hw.pads_decodes and len(decodes) > 1 else 0
+        # A CPU's native decode attention: its busiest thread sets the decodes' pace.
+        imbalance = (decode_attention_imbalance([c + 1 for c in decodes], s.num_kv_heads, self.hw.decode_attn_threads)
+                     if self.hw.decode_attn_threads and decodes else 1.0)
         for w in batch:
             if w.new_tokens == 1 and longest_decode:   # padded to the longest decode, then masked
                 w = SeqWork(1, longest_decode, w.samples)
             mid, end = w.context + (w.new_tokens + 1) / 2, w.context + w.new_tokens
+            weight = imbalance if w.new_tokens == 1 else 1.0
             for kind in s.attention:
                 # Causal: the queries see on average the keys at their middle position.
-                flops += kind.count * w.new_tokens * kind.keys(mid) * s.attn_flops_per_key
+                flops += weight * kind.count * w.new_tokens * kind.keys(mid) * s.attn_flops_per_key
                 index += kind.count * w.new_tokens * kind.index_entries(mid) * kind.index_flops_per_entry
-                read += kind.count * (kind.keys(end) * s.entry_bytes
-                                      + kind.index_entries(end) * kind.index_bytes_per_entry)
+                read += weight * kind.count * (kind.keys(end) * s.entry_bytes
+                                               + kind.index_entries(end) * kind.index_bytes_per_entry)
         longest = max(1, max((w.context for w in batch), default=1))
         written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)
         kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank

@@ -49,6 +49,9 @@ class Hardware:
     # bench forward records it in engine_code): another code path than the prefill and mixed steps',
     # so their measured time over the cost model's is fitted apart (1: the same path).
     decode_scale: float = 1.0
+    # Threads the native decode attention splits a step's decodes over (sim/cpu_attention.py: its
+    # busiest thread sets the pace); 0 where the cost model prices decode attention as evenly shared.
+    decode_attn_threads: int = 0
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True
