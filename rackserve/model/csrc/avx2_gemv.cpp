@@ -20,18 +20,12 @@
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
-#include <vector>
+#include "quantized_rows.h"
 
 namespace {
 
 constexpr int kGroup = 32;
 constexpr int kTile = 8;
-
-struct QuantizedRows {      // x per block of 32 as dx * q + dr * r (two int8 parts), with the sums
-  std::vector<int8_t> q, r;   // [T, K]
-  std::vector<float> dx, dr, fsum;          // [T, blocks]
-  std::vector<int32_t> qsum, rsum;          // [T, blocks]
-};
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,11 +63,12 @@ inline float abs_max(const __m256 v[4]) {
   return hmax(m);
 }
 
-// x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows.
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k) {
+// x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows: into the calling thread's own
+// buffers (quantized_rows.h), kept from call to call.
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
   const int64_t n = rows * (k / kGroup);
-  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<int8_t>(rows * k), std::vector<float>(n),
-                    std::vector<float>(n), std::vector<float>(n), std::vector<int32_t>(n), std::vector<int32_t>(n)};
+  thread_local QuantizedRows out;
+  out.fit(rows, k, kGroup);
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m256 v[4], res[4];
@@ -166,7 +161,7 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  QuantizedRows xq = quantize_rows(x, rows, k);
+  const QuantizedRows& xq = quantize_rows(x, rows, k);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);

@@ -20,18 +20,12 @@
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
-#include <vector>
+#include "quantized_rows.h"
 
 namespace {
 
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
-
-struct QuantizedRows {      // x per block of 32 as dx * q + dr * r (two int8 parts), with the sums
-  std::vector<int8_t> q, r;   // [T, K]
-  std::vector<float> dx, dr, fsum;          // [T, blocks]
-  std::vector<int32_t> qsum, rsum;          // [T, blocks]
-};
 
 // Rounds v / d to int8 (nearest even; |v / d| <= 127 by the choice of d), with its integer sum.
 inline __m512i to_int8(__m512 v, float d, int8_t* out) {
@@ -44,19 +38,11 @@ inline __m512i to_int8(__m512 v, float d, int8_t* out) {
 // of the block's largest value, so that the products are those of the fp32 activations to ~1e-5
 // (one int8 part alone, llama.cpp's Q8 activations, leaves ~0.5% of an output's scale, which adds
 // up over a model's layers).
-// Into the calling thread's own buffers, kept from call to call: seven fresh vectors a call were
-// about half of a small layer's time (a 576x576 weight at batch 1).
+// Into the calling thread's own buffers (quantized_rows.h), kept from call to call.
 const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
-  if (static_cast<int64_t>(out.q.size()) < rows * k) {
-    out.q.resize(rows * k);
-    out.r.resize(rows * k);
-  }
-  if (static_cast<int64_t>(out.dx.size()) < n) {
-    for (auto* v : {&out.dx, &out.dr, &out.fsum}) v->resize(n);
-    for (auto* v : {&out.qsum, &out.rsum}) v->resize(n);
-  }
+  out.fit(rows, k, kGroup);
   QuantizedRows& o = out;   // the calling thread's buffers, filled by the team below
   // A prefill chunk's rows split over the threads (512 rows of 1536: ~0.3 ms on one); a decode
   // batch's few blocks stay on the calling thread, where waking the team would cost more.
