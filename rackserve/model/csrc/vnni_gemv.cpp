@@ -69,7 +69,8 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
 // memory). A decode step reads ~100 MB of weights once, so the bytes come from DRAM (or a shared L3),
 // and without the hint the hardware prefetcher kept too few lines in flight to overlap the dot
 // products: the GEMVs of a SmolLM2 step ran at 0.65x a plain read of the same bytes (1 and 2
-// threads); 1-8 KB ahead measured alike, 4 KB a page.
+// threads), 0.84x with it (bench/results/gemv-step-harness-s6e.json); 2-8 KB ahead measured alike,
+// 1 KB less.
 constexpr int kPrefetch = 4096;
 
 // One tile (16 output rows) times row `row` of x: 16 outputs.
