@@ -116,6 +116,9 @@ HOSTILE = {
     "stop_string_too_long": ("completions", {**COMP, "stop": "x" * 5000}, 400),
     "stop_token_ids_too_many": ("completions", {**COMP, "stop_token_ids": list(range(5000))}, 400),
     "top_logprobs_21": ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400),
+    # 8 prompts x n 128 x 200 tokens x 6 logprobs: 1.2M entries held whole, past --max-logprob-entries.
+    "logprob_entries_past_the_bound": ("completions", {**COMP, "prompt": [[1, 2]] * 8, "n": 128,
+                                                       "max_tokens": 200, "logprobs": 5}, 400),
     "prompt_token_negative": ("completions", {**COMP, "prompt": [1, -4, 2]}, 400),
     "prompt_token_huge": ("completions", {**COMP, "prompt": [1, 2**63]}, 400),
     # Sizes: refused before they are tokenized whole (10 MB) or read whole (past the body limit).
@@ -291,3 +294,34 @@ def test_bench_overload_reports_rates(server, tmp_path):
     assert [r["sent"] for r in result["rates"]] == [5, 10]
     assert all(r["ok"] == r["sent"] and r["refused_429"] == 0 for r in result["rates"])
     assert result["sustained_rps"] > 0 and result["processor"]
+
+
+def test_logprob_entries_past_the_bound_get_a_400_naming_it_with_the_openai_client(server):
+    """A non-streaming response is held whole: prompts x n x max_tokens x (logprobs + 1) entries
+    past --max-logprob-entries (2**20) are refused up front, naming the bound; one under it runs."""
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=[[1, 2]] * 8, n=128, max_tokens=200, logprobs=5)
+    error = refused.value.body
+    assert error["param"] == "logprobs" and "--max-logprob-entries" in error["message"]
+    assert "1228800 logprob entries" in error["message"]        # 8 x 128 x 200 x 6
+    ok = client.completions.create(model=MODEL, prompt=[1, 2], n=2, max_tokens=3, logprobs=5,
+                                   extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.tokens) for c in ok.choices] == [3, 3]
+
+
+def test_text_offset_advances_by_each_token_text_as_vllm(server):
+    """vLLM's rule (serving_completion._create_completion_logprobs): each offset is the previous
+    plus the previous token's text, special tokens' included, even where skip_special_tokens
+    leaves that text out of `text`; a stream's chunk starts at the text sent so far."""
+    eos = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "<|im_end|>",
+                                                     "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1
+    body = {**COMP, "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "logit_bias": {str(eos[0]): 100}}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["text"] == "" and choice["logprobs"]["tokens"] == ["<|im_end|>"] * 3
+    assert choice["logprobs"]["text_offset"] == [0, 10, 20]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events] == [[0], [0], [0]]

@@ -18,6 +18,8 @@ class ServerLimits:
     max_n: int = _opt(128, "most samples (n, best_of) one request may ask for (OpenAI's bound)")
     max_prompts_per_request: int = _opt(128, "most prompts in one /v1/completions request")
     max_logprobs: int = _opt(20, "most top logprobs a request may ask for (vLLM's --max-logprobs)")
+    max_logprob_entries: int = _opt(2**20, "most logprob entries a non-streaming response may hold: "
+                                    "prompts x n x max_tokens x (logprobs + 1); stream past it")
     max_stop_strings: int = _opt(16, "most stop strings in one request")
     max_stop_str_len: int = _opt(1024, "longest stop string, characters")
     max_stop_token_ids: int = _opt(1024, "most stop_token_ids in one request")
@@ -61,3 +63,22 @@ def check_limits(limits: ServerLimits, *, n: int | None, best_of: int | None, nu
     if logit_bias is not None and len(logit_bias) > limits.max_logit_bias:
         return f"at most {limits.max_logit_bias} logit_bias entries, got {len(logit_bias)}", "logit_bias"
     return None
+
+
+def check_logprob_entries(limits: ServerLimits, *, num_sequences: int, max_tokens: int,
+                          logprobs: int | None) -> str | None:
+    """The message refusing a non-streaming request whose logprobs could outgrow the bound, or None.
+
+    Such a response is held whole and serialized at once: prompts x n x max_tokens x (logprobs + 1)
+    entries (128 x 8,192 x 21 is 22M, gigabytes of Python objects). A stream holds one step's.
+    `max_tokens` is the most the request can generate (its own bound, or what the context leaves).
+    """
+    if logprobs is None:
+        return None
+    entries = num_sequences * max_tokens * (logprobs + 1)
+    if entries <= limits.max_logprob_entries:
+        return None
+    return (f"this request could return {entries} logprob entries ({num_sequences} sequences x "
+            f"{max_tokens} tokens x {logprobs + 1} logprobs each), more than a non-streaming response "
+            f"may hold ({limits.max_logprob_entries}, --max-logprob-entries); lower n, max_tokens or "
+            "the number of logprobs, or set stream=true")

@@ -52,6 +52,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
+        self.check_held_logprobs(params, [prompt], request.stream)
         top_k = request.top_logprobs or 0
         request_id = f"chatcmpl-{request_id or uuid.uuid4().hex}"
         streams = await self.start([prompt], params, request_id, request.cache_salt,

@@ -28,6 +28,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = request.prompts()
         self.check_request(request, len(prompts), request.logprobs, request.best_of)
         params = self.sampling_params(request, request.max_tokens, request.logprobs)
+        self.check_held_logprobs(params, prompts, request.stream)
         request_id = f"cmpl-{request_id or uuid.uuid4().hex}"
         streams = await self.start(prompts, params, request_id, request.cache_salt,
                                    request.data_parallel_rank)

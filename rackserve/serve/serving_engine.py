@@ -21,7 +21,7 @@ from starlette.requests import Request
 
 from rackserve.outputs import CompletionOutput, Logprob, RequestOutput
 from rackserve.sampling_params import SamplingParams
-from rackserve.serve.limits import ServerLimits, check_limits
+from rackserve.serve.limits import ServerLimits, check_limits, check_logprob_entries
 from rackserve.serve.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingRequest,
                                       UsageInfo)
 
@@ -204,6 +204,20 @@ class OpenAIServing:
         if unsupported:
             raise OpenAIError(f"`{unsupported}` is not supported here with this value; remove it "
                               "from the request", param=unsupported)
+
+    def check_held_logprobs(self, params: SamplingParams, prompts: list[str | list[int]], stream: bool) -> None:
+        """Refuses a non-streaming request whose logprobs could outgrow --max-logprob-entries. A
+        text prompt counts as one token: its length is the engine's to find, and the bound is an
+        upper one."""
+        if stream or params.logprobs is None:
+            return
+        shortest = min(len(p) if isinstance(p, list) else 1 for p in prompts)
+        room = max(self.engine.config.model.max_model_len - shortest, 0)
+        most = room if params.max_tokens is None else min(params.max_tokens, room)
+        message = check_logprob_entries(self.limits, num_sequences=len(prompts) * params.n,
+                                        max_tokens=most, logprobs=params.logprobs)
+        if message is not None:
+            raise OpenAIError(message, param="logprobs")
 
     @staticmethod
     def sampling_params(request: SamplingRequest, max_tokens: int | None,
