@@ -5,14 +5,18 @@ listed in the hunt's report and in tests/test_server_hardening.py.
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
+
+from pathlib import Path
 
 import httpx
 
 from rackserve.distributed.parallel_state import free_port
 from tests.server_utils import stop_all
+from tests.tokenizer_utils import save_test_tokenizer
 
 
 def _openai_error(resp: httpx.Response) -> dict:
@@ -46,5 +50,42 @@ def test_proxy_with_a_dead_instance_answers_an_openai_502(tmp_path):
         assert httpx.get(f"{url}/v1/models").status_code == 502
         assert httpx.get(f"{url}/health").status_code == 503
         assert proc.poll() is None
+        # Before: uvicorn re-raised the SIGTERM it had handled to the default handler: rc 143.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        stop_all([proc])
+
+
+def _wait_up(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"{url}/health")
+            return
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+
+def test_router_with_a_dead_instance_answers_an_openai_503_and_exits_0_on_sigterm(tmp_path):
+    """A router whose only instance is down answers every route with an OpenAI 503, streamed or
+    not, and stops with rc 0 on SIGTERM (before: 143, as the proxy)."""
+    tokenizer = str(tmp_path / "tokenizer")
+    save_test_tokenizer(tokenizer, 512)
+    dead, port = f"http://127.0.0.1:{free_port()}", free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "router.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rackserve", "router", "--worker", dead, "--tokenizer",
+                                 tokenizer, "--port", str(port)], stdout=log, stderr=log)
+    try:
+        _wait_up(proc, url, tmp_path / "router.log")
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for stream in (False, True):
+            resp = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": stream}, timeout=60)
+            assert resp.status_code == 503 and _openai_error(resp)["type"] == "server_error"
+        assert httpx.get(f"{url}/v1/models").status_code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
     finally:
         stop_all([proc])

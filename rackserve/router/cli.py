@@ -110,8 +110,11 @@ def _router(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from rackserve.serve.signals import stop_quietly
     try:
-        asyncio.run(serve_router(args, args.worker, args.policy, None, args.prefill_worker, args.decode_worker))
+        with stop_quietly():   # exit 0 on SIGTERM, not 143
+            asyncio.run(serve_router(args, args.worker, args.policy, None, args.prefill_worker,
+                                     args.decode_worker))
     except RuntimeError as e:
         print(f"rackserve router: {e}", file=sys.stderr)
         return 1

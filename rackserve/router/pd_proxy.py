@@ -131,5 +131,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
                      _add_args)
 def _proxy(args: argparse.Namespace) -> None:
     import uvicorn
+    from rackserve.serve.signals import stop_quietly
     strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
-    uvicorn.run(build_app(*strip), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    with stop_quietly():   # exit 0 on SIGTERM, not 143
+        uvicorn.run(build_app(*strip), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
