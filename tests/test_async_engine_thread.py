@@ -37,3 +37,40 @@ def test_the_engine_thread_generates_what_the_offline_engine_does(tmp_path):
     offline = LLM(path, device="cpu", num_gpu_blocks_override=32, max_model_len=256, skip_tokenizer_init=True).generate(
         [prompt], params)[0].outputs[0].token_ids
     assert served == list(offline) and len(served) == 6
+
+
+def test_shutdown_fails_requests_in_flight_at_once_not_after_the_step_in_progress(tmp_path):
+    """Before: a request heard of the shutdown only once the engine thread finished its step; a
+    step longer than the server's grace period (a prefill on a busy machine) left the handler to be
+    cancelled by uvicorn, a bare 500 instead of the 503 of an engine that is shut down."""
+    import time
+
+    from rackserve.engine.llm_engine import EngineDeadError
+    path = build_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    engine = AsyncEngine(EngineArgs(model=path, device="cpu", num_gpu_blocks_override=32, max_model_len=256,
+                                    skip_tokenizer_init=True))
+    step, in_step = engine.engine.step, threading.Event()
+
+    def slow_step():   # the step in progress when the shutdown comes takes 4 s
+        in_step.set()
+        time.sleep(4)
+        return step()
+    engine.engine.step = slow_step
+
+    async def run() -> float:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in engine.generate({"prompt_token_ids": [1, 5, 9]}, params, "r0"):
+                pass
+        return time.monotonic()
+
+    async def main() -> tuple[float, float]:
+        task = asyncio.create_task(run())
+        await asyncio.to_thread(in_step.wait)
+        asked = time.monotonic()
+        stopping = asyncio.create_task(asyncio.to_thread(engine.shutdown))
+        failed_at = await task
+        await stopping
+        return asked, failed_at
+    asked, failed_at = asyncio.run(main())
+    assert failed_at - asked < 2, f"the request failed {failed_at - asked:.1f} s after the shutdown"

@@ -114,6 +114,11 @@ class AsyncEngine:
         if not self._stopping:
             self._stopping = True
             self._wake.set()
+            # The callers hear now, not once the step in progress ends (a long prefill on a busy
+            # machine outlasted the server's grace period: its requests got uvicorn's bare 500).
+            reason = EngineDeadError("the engine was shut down")
+            for loop, stream in list(self._streams.values()):
+                _put(loop, stream, reason)
             self._thread.join(timeout=60)
             self.engine.shutdown()
 

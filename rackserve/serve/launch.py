@@ -87,7 +87,9 @@ class _Server(uvicorn.Server):
         left = await self.admission.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
         if left:
             logger.warning("aborting %d request(s) still in flight at shutdown", left)
-        self.engine.shutdown()
+        # Off the event loop: the engine fails what is in flight at once, and the handlers must
+        # answer (503) while its thread finishes the step in progress.
+        await asyncio.to_thread(self.engine.shutdown)
         await super().shutdown(sockets)
 
 
