@@ -161,3 +161,31 @@ def test_bad_kv_transfer_params_get_a_400(cluster):
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
     assert resp.status_code == 400 and "lacks" in resp.json()["error"]["message"]
     assert httpx.get(f"{cluster['decode']}/health").status_code == 200
+
+
+def test_a_decoder_killed_mid_stream_ends_the_proxys_stream_with_an_error_event(cluster):
+    """A decoder SIGKILLed mid-stream: the proxy ends the stream it relays with an OpenAI error
+    event and [DONE] (before last round's fix the relay just broke), stays up (its /health 503 while
+    the decoder is down, a 502 for the next request), and the prefiller holds no block."""
+    root = cluster["root"]
+    doomed, decoder = start_server(cluster["base"] + ["--kv-transfer-config", _kv_config("kv_consumer")],
+                                   root / "doomed-decoder.log")
+    procs = [doomed]
+    try:
+        proxy_proc, proxy = _start_proxy(cluster["prefill"], decoder, root / "doomed-proxy.log")
+        procs.append(proxy_proc)
+        body = {"model": MODEL, "prompt": list(range(10, 40)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proxy}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            doomed.kill()
+            rest = [line for line in lines if line]
+        assert resp.status_code == 200 and json.loads(first[6:])["choices"]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "server_error" and "instance behind the proxy failed" in error["message"]
+        assert proxy_proc.poll() is None and httpx.get(f"{proxy}/health").status_code == 503
+        assert httpx.post(f"{proxy}/v1/completions", json={**body, "stream": False}).status_code == 502
+        _wait_kv_free(cluster["prefill"], LEASE_S + 5)
+    finally:
+        stop_all(procs)

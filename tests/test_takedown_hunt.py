@@ -77,7 +77,7 @@ def test_router_with_a_dead_instance_answers_an_openai_503_and_exits_0_on_sigter
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "router.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rackserve", "router", "--worker", dead, "--tokenizer",
-                                 tokenizer, "--port", str(port)], stdout=log, stderr=log)
+                                 tokenizer, "--health-timeout", "0.5", "--port", str(port)], stdout=log, stderr=log)
     try:
         _wait_up(proc, url, tmp_path / "router.log")
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
