@@ -143,10 +143,8 @@ class Replay:
     async def _send(self, lane: int, play: _Play, session: Session, turn: Turn, index: int, kind: str,
                     max_tokens: int) -> None:
         # Hash ids are local to the tree: subagents name blocks in their root session's space.
-        shared, own = self.renderer.prompt(turn.hash_ids, turn.input_len, play.tree.session_id,
-                                           session.shared_prefix_blocks)
-        messages = [{"role": "system", "content": shared}] if shared else []
-        messages.append({"role": "user", "content": play.marker + own})
+        messages = self.renderer.messages(turn.hash_ids, turn.input_len, play.tree.session_id,
+                                          session.shared_prefix_blocks, play.marker)
         record = RequestRecord(lane=lane, play=play.number, session_id=session.session_id, turn=index, kind=kind,
                                input_len=turn.input_len, max_tokens=max_tokens, start=self.client.clock())
         self.stats.in_flight += 1

@@ -127,3 +127,12 @@ class PromptRenderer:
             parts[0 if shared else 1].extend(words[:left])
             left -= self.block_size
         return render(parts[0]), render(parts[1])
+
+    def messages(self, hash_ids: Sequence[int], num_tokens: int, namespace: str, shared_blocks: int,
+                 marker: str) -> list[dict]:
+        """The chat messages of a prompt: the shared part as the system message (when there is
+        one), then `marker` and the prompt's own part as the user's."""
+        shared, own = self.prompt(hash_ids, num_tokens, namespace, shared_blocks)
+        messages = [{"role": "system", "content": shared}] if shared else []
+        messages.append({"role": "user", "content": marker + own})
+        return messages

@@ -140,11 +140,12 @@ def _stats_sessions(workload) -> int:
 def simulate(args: argparse.Namespace, levels: list[int], executor_factory=None) -> dict:
     """Every level; the JSON-ready result, laid out as `bench serve`'s. `executor_factory`: builds
     the instances' executors instead (SimSetup.executor_factory; a step trace's timed real one)."""
-    from rackserve.bench.token_text import PromptRenderer, default_vocabulary
+    from rackserve.bench.token_text import default_vocabulary
     from rackserve.bench.workload import WorkloadOptions, make_workload
     from rackserve.sim.cpu_device import load_device
     from rackserve.sim.instance import SimSetup
     from rackserve.sim.model_spec import load_model_spec
+    from rackserve.sim.prompt_ids import BlockRenderer
     load_model_spec(args.model)   # an unknown model fails before any calibration
     hardware, as_measured, calibration = load_device(args.hardware, args.model, args.quantization,
                                                      args.calibration_dir)
@@ -154,7 +155,7 @@ def simulate(args: argparse.Namespace, levels: list[int], executor_factory=None)
         random_input_len=args.random_input_len, random_output_len=args.random_output_len))
     if args.prefill_only:
         workload = PrefillOnly(workload)
-    renderer = PromptRenderer(default_vocabulary(), args.seed)
+    renderer = BlockRenderer(default_vocabulary(), args.seed)   # blocks, not text: the same ids, faster
     devices = setup.all_devices
     result = {"label": args.label or f"sim {args.model} on {args.hardware}", "base_url": None, "model": args.model,
               "workload": args.workload, "scale": workload.scale, "output_scale": workload.output_scale,

@@ -4,8 +4,9 @@ SimClient, which stands where bench's ChatClient stands, so bench's own Replay (
 warm-ups, think times, deadline) drives the simulation unchanged and fills the same RequestRecords.
 
 Routing is sim/routing.py's (the cluster router's policies, fed each step's KV events).
-Prompt text becomes token ids word by word (bench renders each token of a block as one word), so
-equal blocks are equal tokens and the real prefix cache sees the workload's sharing. An instance's
+Prompts become token ids word by word (bench renders each token of a block as one word; the
+simulator's renderer hands the blocks over as they are, prompt_ids.py), so equal blocks are equal
+tokens and the real prefix cache sees the workload's sharing. An instance's
 step loop steps its engine core, sleeps the step's virtual seconds, then delivers the tokens.
 It must never read the wall clock (virtual_loop.py owns time).
 """
@@ -23,6 +24,7 @@ from rackserve.engine.core import EngineCore
 from rackserve.sampling_params import SamplingParams
 from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.executor import SimExecutor
+from rackserve.sim.prompt_ids import Tokens
 from rackserve.sim.routing import SimRouter
 
 
@@ -127,22 +129,6 @@ class SimInstance:
         if len(stats.dp_ranks) > 1:
             s.dp_idle_seconds += sum(r.idle_seconds for r in stats.dp_ranks)
             s.dp_busy_seconds += sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)
-
-
-class Tokens:
-    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token,
-    inside the chat template's own tokens (chat_template.py). Ids wrap at the vocabulary's size,
-    so a real model can take them too (a step trace)."""
-
-    def __init__(self, vocab_size: int, template: TemplateTokens = TemplateTokens()) -> None:
-        self.ids: dict[str, int] = {}
-        self.vocab_size, self.template = vocab_size, template
-
-    def _id(self, word: str) -> int:
-        return self.ids.setdefault(word, len(self.ids) % self.vocab_size)
-
-    def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.template.wrap(messages, self._id, lambda text: [self._id(w) for w in text.split()])
 
 
 class SimClient:

@@ -1,0 +1,82 @@
+"""A simulated prompt's token ids, straight from the workload's blocks: what bench's text would
+tokenize to in the simulator (one word, one token), without rendering 142K-word prompts as text
+and splitting them again on every request.
+
+`Tokens` maps words to ids in the order they first appear (ids wrap at the vocabulary's size).
+`BlockRenderer` is bench's PromptRenderer for the simulator: its messages carry `BlockText`
+(the play marker and the (namespace, key) of each block) instead of text, and `Tokens.encode`
+turns a block into ids once and reuses them. A block's words always get the same ids and are
+met in the text's order, so the ids are exactly the text path's (tests/test_sim_speed.py
+checks it). This file owns that mapping; it must never decide token counts (workloads do) nor
+step an engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from rackserve.bench.token_text import SHARED_NAMESPACE, PromptRenderer
+from rackserve.sim.chat_template import TemplateTokens
+
+MAX_CACHED_BLOCKS = 1 << 19     # ~0.3 GB of ids: more than the blocks of 256 full-size lanes
+
+
+class BlockText(NamedTuple):
+    """A message's content as `head`'s words, then the words of `blocks` ((namespace, key) each),
+    the last one cut to `last_words` words."""
+    head: str
+    blocks: tuple[tuple[str, int], ...]
+    last_words: int
+    renderer: PromptRenderer
+
+
+class BlockRenderer(PromptRenderer):
+    """PromptRenderer whose messages are BlockText: the same prompts, as blocks."""
+
+    def messages(self, hash_ids: Sequence[int], num_tokens: int, namespace: str, shared_blocks: int,
+                 marker: str) -> list[dict]:
+        assert 0 <= num_tokens <= len(hash_ids) * self.block_size, "hash ids do not cover the prompt"
+        count = -(-num_tokens // self.block_size)
+        last = num_tokens - (count - 1) * self.block_size if count else 0
+        shared = [(SHARED_NAMESPACE, p) for p in range(min(shared_blocks, count))]
+        own = [(namespace, key) for key in hash_ids[len(shared):count]]
+        messages = [{"role": "system", "content": BlockText("", tuple(shared), last if not own else self.block_size,
+                                                            self)}] if shared else []
+        messages.append({"role": "user", "content": BlockText(marker, tuple(own), last, self)})
+        return messages
+
+
+class Tokens:
+    """Word -> token id, stable within a simulation: one word of bench's prompt text is one token,
+    inside the chat template's own tokens (chat_template.py). Ids wrap at the vocabulary's size,
+    so a real model can take them too (a step trace)."""
+
+    def __init__(self, vocab_size: int, template: TemplateTokens = TemplateTokens()) -> None:
+        self.ids: dict[str, int] = {}
+        self.vocab_size, self.template = vocab_size, template
+        self._blocks: dict[tuple[str, int], list[int]] = {}    # a whole block's ids
+
+    def _id(self, word: str) -> int:
+        return self.ids.setdefault(word, len(self.ids) % self.vocab_size)
+
+    def _words(self, content: "str | BlockText") -> list[int]:
+        if isinstance(content, str):
+            return [self._id(w) for w in content.split()]
+        ids = [self._id(w) for w in content.head.split()]
+        blocks = content.blocks
+        for i, key in enumerate(blocks):
+            whole = self._blocks.get(key)
+            if i == len(blocks) - 1 and content.last_words < content.renderer.block_size:
+                # A cut block assigns ids to the words it uses only, as its text would.
+                ids += whole[:content.last_words] if whole is not None else \
+                    [self._id(w) for w in content.renderer.block(*key)[:content.last_words]]
+                continue
+            if whole is None:
+                if len(self._blocks) >= MAX_CACHED_BLOCKS:   # a long run plays many sessions
+                    self._blocks.clear()
+                whole = self._blocks[key] = [self._id(w) for w in content.renderer.block(*key)]
+            ids += whole
+        return ids
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return self.template.wrap(messages, self._id, self._words)

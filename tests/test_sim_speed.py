@@ -1,0 +1,56 @@
+"""The simulator's speed-ups change no decision: the prompt ids taken from the workload's blocks
+(sim/prompt_ids.py) are exactly the ids the rendered text gives word by word, and a whole
+simulated run through the block path (kv routing, DP, MTP, P/D with a KV pool) produces the
+same requests, the same scheduler and router decisions and the same figures as the text path."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rackserve.bench.token_text import PromptRenderer, default_vocabulary
+from rackserve.bench.workload import WorkloadOptions, make_workload
+from rackserve.serve.cli import main
+from rackserve.sim import prompt_ids
+from rackserve.sim.chat_template import TemplateTokens
+from rackserve.sim.prompt_ids import BlockRenderer, Tokens
+
+
+def test_block_ids_are_the_text_words_ids():
+    template = TemplateTokens(3, 2, 1)
+    text, blocks = Tokens(300, template), Tokens(300, template)     # 300 < the words used: ids wrap
+    by_text, by_block = PromptRenderer(default_vocabulary(), 7), BlockRenderer(default_vocabulary(), 7)
+    workload = make_workload("agentx", WorkloadOptions(seed=1, scale=0.02, max_context=32768))
+    prompts = [(turn.hash_ids, turn.input_len, s.session_id, s.shared_prefix_blocks)
+               for s in map(workload.session, range(3)) for turn, _ in s.requests()]
+    # A prompt cut inside its shared blocks, one of whole blocks only, one with no shared block.
+    prompts += [([0, 1, 2, 3], 130, "x", 3), ([0, 1], 128, "y", 1), ([5, 6, 7], 150, "z", 0)]
+    for i, prompt in enumerate(prompts):
+        marker = f"[play {i} of test]"
+        assert blocks.encode(by_block.messages(*prompt, marker)) == text.encode(by_text.messages(*prompt, marker))
+    assert text.ids == blocks.ids and max(text.ids.values()) < 300 < len(text.ids)
+
+
+def _run(tmp_path, name: str, args: list[str]) -> dict:
+    out = tmp_path / f"{name}.json"
+    assert main(["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable-expert-parallel",
+                 "--block-size", "64", "--kv-cache-memory", "1", "--max-model-len", "32768", "--max-num-batched-tokens", "4096",
+                 "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--scale", "0.05", "--max-num-seqs", "64",
+                 "--duration", "5", "--output", str(out), *args]) == 0
+    result = json.loads(out.read_text())
+    for run in result["runs"]:
+        for key in ("wall_seconds", "speedup"):
+            run["sim"].pop(key)
+    return {k: result[k] for k in ("runs", "workload_stats")}
+
+
+@pytest.mark.parametrize("args", [
+    ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv", "--concurrency", "12"],
+    ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1", "--data-parallel-size", "2",
+     "--router-policy", "least_uncached", "--kv-pool-memory", "500", "--concurrency", "8"],
+], ids=["kv-routed-dep2", "pd-kv-pool"])
+def test_a_run_is_the_same_through_blocks_or_text(tmp_path, monkeypatch, args):
+    fast = _run(tmp_path, "blocks", args)
+    monkeypatch.setattr(prompt_ids, "BlockRenderer", PromptRenderer)    # the text path, as bench serve renders
+    assert _run(tmp_path, "text", args) == fast
+    assert all(r["summary"]["completed"] > 0 for r in fast["runs"])
