@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(summary_table(_summary(run_["summary"])))
         sim = run_["sim"]
         console.print(f"  simulated {sim['virtual_seconds']:.1f} s in {sim['wall_seconds']:.1f} s of wall time "
-                      f"({sim['speedup']:.0f}x); {sim['steps']} steps, DP idle {sim['dp_idle_share']:.1%}")
+                      f"({sim['speedup']:.0f}x); {sim['steps']} steps, DP idle {sim['dp_idle_share']:.1%} "
+                      f"({sim['dp_idle_share_steady']:.1%} while requests start)")
     if args.output and args.summary_only:
         for run_ in result["runs"]:
             run_.pop("requests")

@@ -25,7 +25,7 @@ from rackserve.sampling_params import SamplingParams
 from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.executor import SimExecutor
 from rackserve.sim.prompt_ids import Tokens
-from rackserve.sim.routing import SimRouter
+from rackserve.sim.routing import Route, SimRouter
 
 
 @dataclass
@@ -47,6 +47,7 @@ class InstanceStats:
     dp_idle_seconds: float = 0.0        # summed over DP ranks: waiting for the slowest rank
     dp_busy_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
+    dp_steps: list[tuple[float, float, float]] = field(default_factory=list)   # (start, idle, busy) a DP step
 
 
 class SimInstance:
@@ -70,15 +71,20 @@ class SimInstance:
 
     async def generate(self, req_id: str, token_ids: list[int], max_tokens: int, record: RequestRecord,
                        dp_rank: int | None = None, on_first: Callable[[], None] = lambda: None,
-                       kv_transfer_params: dict | None = None) -> dict | None:
+                       kv_transfer_params: dict | None = None, route: Route | None = None) -> dict | None:
         """Run one request to its end, filling `record` as a streaming client would; on `dp_rank`
         when a router pinned one, else where the engine places it. Returns the kv_transfer_params
-        its end hands back (a P/D prefill's: where a decoder pulls its KV)."""
+        its end hands back (a P/D prefill's: where a decoder pulls its KV). The `route`'s block
+        hashes, where they are the ones this engine would compute, spare it hashing the prompt."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, kv_transfer_params=kv_transfer_params)
         if len(token_ids) + max_tokens > self.max_model_len:
             record.error, record.error_message = CONTEXT_OVERFLOW, f"maximum context length is {self.max_model_len}"
             return None
-        self.core.add_requests([Request(req_id, token_ids, params, arrival_time=self.clock())], dp_rank)
+        kv = self.core.schedulers[0].kv
+        hashes = (list(route.block_hashes) if route is not None and route.block_hashes is not None
+                  and route.block_size == kv.block_size and kv.hash_seed == 0 and kv.enable_caching else [])
+        self.core.add_requests([Request(req_id, token_ids, params, arrival_time=self.clock(), block_hashes=hashes)],
+                               dp_rank)
         pending = self.pending[req_id] = _Pending(record, asyncio.get_running_loop().create_future(), on_first)
         record.prompt_tokens = len(token_ids)
         self._wake.set()
@@ -127,8 +133,10 @@ class SimInstance:
         s.prefix_queries += stats.prefix_cache_queries
         s.preemptions += stats.num_preemptions
         if len(stats.dp_ranks) > 1:
-            s.dp_idle_seconds += sum(r.idle_seconds for r in stats.dp_ranks)
-            s.dp_busy_seconds += sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)
+            idle, busy = sum(r.idle_seconds for r in stats.dp_ranks), sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)
+            s.dp_idle_seconds += idle
+            s.dp_busy_seconds += busy
+            s.dp_steps.append((self.clock(), idle, busy))
 
 
 class SimClient:
@@ -169,7 +177,8 @@ class SimClient:
         output_tokens = None     # a request that failed teaches the router nothing
         try:
             params = await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
-                                                              lambda: router.first_token(req_id), kv_transfer_params)
+                                                              lambda: router.first_token(req_id), kv_transfer_params,
+                                                              route)
             output_tokens = record.output_tokens if record.ok else None
             return params
         finally:

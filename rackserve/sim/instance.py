@@ -248,12 +248,19 @@ class SimSetup:
         busy = sum(i.stats.dp_busy_seconds for i in instances)
         idle = sum(i.stats.dp_idle_seconds for i in instances)
         steps = [s for i in instances for s in i.stats.step_seconds]
+        # Steady state: the steps that started while the lanes were starting measured requests (not
+        # the first warm-ups, nor the drain after the deadline, where ranks run out of work unevenly).
+        starts = [r.start for r in records if r.measured] or [0.0]
+        lo, hi = min(starts), max(starts)
+        window = [(x, y) for i in instances for t, x, y in i.stats.dp_steps if lo <= t <= hi]
+        w_idle, w_busy = sum(x for x, _ in window), sum(y for _, y in window)
         return {"concurrency": concurrency, "summary": summary.to_json(),
                 "requests": [r.to_json() for r in records],
                 "sim": {"virtual_seconds": virtual, "wall_seconds": wall, "speedup": virtual / wall if wall else 0.0,
                         "steps": len(steps), "mean_step_seconds": sum(steps) / len(steps) if steps else 0.0,
                         "preemptions": sum(i.stats.preemptions for i in instances),
                         "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0,
+                        "dp_idle_share_steady": w_idle / (w_idle + w_busy) if w_idle + w_busy else 0.0,
                         "kv_pool_hit_tokens": pools[0].pool.hit_tokens if pools and pools[0] else None,
                         "kv_pool": fabrics[0].pool_record.to_json() if pools and pools[0] else None,
                         "kv_transfer": fabrics[0].record.to_json() if self.prefill else None}}

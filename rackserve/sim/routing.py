@@ -32,6 +32,10 @@ OWN_POLICIES = ("least_uncached",)
 class Route(NamedTuple):
     instance: int
     dp_rank: int | None     # None: the engine's DP placement decides
+    # The prompt's block hashes as the router computed them (core/hashing.py, seed 0, no salt,
+    # `block_size` tokens a block): the engine takes them instead of hashing the prompt again.
+    block_hashes: list[int] | None = None
+    block_size: int = 0
 
 
 class SimRouter:
@@ -77,7 +81,7 @@ class ClusterRouter(SimRouter):
         self.loads.add(req_id, decision.worker, hashes,
                        uncached_prefill_blocks(len(token_ids), decision.overlap_blocks, self.block_size))
         return Route(int(decision.worker.url.removeprefix("sim://")),
-                     decision.worker.dp_rank if self.pin_dp_rank else None)
+                     decision.worker.dp_rank if self.pin_dp_rank else None, hashes, self.block_size)
 
     def observe(self, instance: int, kv_events_by_rank: list[list[Any]]) -> None:
         for rank, events in enumerate(kv_events_by_rank):
@@ -121,9 +125,11 @@ DP_PLACEMENT_NAMES = ("router", "least_load", "least_uncached")   # router: the 
 
 class LeastUncached(SimRouter):
     def pick(self, instances: Sequence, token_ids: list[int], req_id: str) -> Route:
-        hashes = _hashes(instances[0].core.schedulers[0], token_ids)   # one block size for all
+        scheduler = instances[0].core.schedulers[0]
+        hashes = _hashes(scheduler, token_ids)   # one block size for all
         work = [min(uncached_work(s, hashes, len(token_ids)) for s in i.core.schedulers) for i in instances]
-        return Route(work.index(min(work)), None)
+        return Route(work.index(min(work)), None, hashes if scheduler.kv.hash_seed == 0 and hashes else None,
+                     scheduler.block_size)
 
 
 def policy_names() -> list[str]:
