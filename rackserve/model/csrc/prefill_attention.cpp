@@ -8,7 +8,9 @@
 // (48 query vectors on SmolLM2), kept with their accumulators in L1. Per 16 keys the item
 // transposes the keys once ([head_dim][16]), so that a query's 16 scores are head_dim
 // multiply-adds of whole vectors (no horizontal sums), then each query vector rescales its
-// running sums and adds the 16 values weighted by their probabilities. Written with GCC's vector
+// running sums and adds the 16 values weighted by their probabilities. A row's query vectors (its
+// group's heads) go through a block together, so each loaded key and value vector feeds all of
+// them (one alone left the kernel waiting on loads). Written with GCC's vector
 // extensions (vec_exp.h), so that both builds compile it to their own ISA.
 // model/native_ops.py calls rs_prefill_attention; the torch backend keeps its two-matmul form for
 // other dtypes and devices. This file must never allocate tensors: the caller passes every buffer.
@@ -61,20 +63,81 @@ inline float hsum(rs_f16 v) {
   return v[0];
 }
 
-// a[0 .. 16 kVecs) = a * corr + sum over t < visible of p[t] * vrow[t][off ..]: the kVecs sums
-// side by side, so that each value row's multiply-adds are independent of each other.
-template <int kVecs>
-inline void add_values(float* a, float corr, const float* p, const float* const* vrow, int64_t visible,
-                       int64_t off = 0) {
-  rs_f16 o[kVecs];
+// The query vectors of one row that share each loaded key and value: a loaded 16-key vector
+// feeding one multiply-add alone made the first form of this kernel wait on loads (two a
+// multiply-add); shared by kQueries it feeds kQueries. AVX2 runs an rs_f16 as two of its 16
+// registers, so it shares by two.
+#ifdef __AVX512F__
+constexpr int kQueries = 4;
+#else
+constexpr int kQueries = 2;
+#endif
+
+// acc[q][off .. off + 16 kVecs) = acc[q] * corr[q] + sum over t < visible of p[q][t] * vrow[t][off ..],
+// for the NQ query vectors at once: each value vector is loaded once for all of them.
+template <int NQ, int kVecs>
+inline void add_values(float* const* acc, const float* corr, const float (*p)[kKeys], const float* const* vrow,
+                       int64_t visible, int64_t off) {
+  rs_f16 o[NQ][kVecs];
 #pragma GCC unroll 4
-  for (int j = 0; j < kVecs; ++j) o[j] = load16(a + 16 * j) * corr;
+  for (int q = 0; q < NQ; ++q)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      o[q][j] = load16(acc[q] + off + 16 * j);
+      if (corr[q] != 1.f) o[q][j] *= corr[q];
+    }
   for (int64_t t = 0; t < visible; ++t) {
 #pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) o[j] += p[t] * load16(vrow[t] + off + 16 * j);
+    for (int j = 0; j < kVecs; ++j) {
+      const rs_f16 vv = load16(vrow[t] + off + 16 * j);
+#pragma GCC unroll 4
+      for (int q = 0; q < NQ; ++q) o[q][j] += p[q][t] * vv;
+    }
   }
 #pragma GCC unroll 4
-  for (int j = 0; j < kVecs; ++j) store16(a + 16 * j, o[j]);
+  for (int q = 0; q < NQ; ++q)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) store16(acc[q] + off + 16 * j, o[q][j]);
+}
+
+// NQ query vectors of one position (qv[q], scaled) against 16 transposed keys kt ([head_dim][16]),
+// of which the first `visible` are in their past: each one's online softmax (m, l) and accumulator
+// updated. Per query the same operations in the same order as one at a time (the compiler may
+// fuse a multiply and an add differently: within an ulp or two of it).
+template <int NQ>
+inline void attend(const float* const* qv, float* m, float* l, float* const* acc, const float* kt,
+                   const float* const* vrow, int64_t visible, int64_t head_dim) {
+  // Four independent sums a query: one chain of head_dim multiply-adds waits on each one's latency.
+  rs_f16 s4[NQ][4] = {};
+  for (int64_t d = 0; d < head_dim; d += 4) {
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const rs_f16 k = load16(kt + (d + u) * kKeys);
+#pragma GCC unroll 4
+      for (int q = 0; q < NQ; ++q) s4[q][u] += qv[q][d + u] * k;
+    }
+  }
+  const rs_f16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const rs_i16 seen_mask = lane < static_cast<float>(visible);
+  alignas(64) float pw[NQ][kKeys];
+  float corr[NQ];
+#pragma GCC unroll 4
+  for (int q = 0; q < NQ; ++q) {
+    rs_f16 s = (s4[q][0] + s4[q][1]) + (s4[q][2] + s4[q][3]);
+    s = seen_mask ? s : rs_f16{} - 3.0e38f;
+    const float m_new = std::max(m[q], hmax(s));
+    rs_f16 p = rs_expv<rs_f16, rs_i16>(s - m_new);
+    p = seen_mask ? p : rs_f16{};
+    // exp(0) is exactly 1: skip it where the running max held, as it mostly does past the first keys.
+    corr[q] = m_new == m[q] ? 1.f : rs_expv<rs_f16, rs_i16>(rs_f16{} + (m[q] - m_new))[0];
+    l[q] = l[q] * corr[q] + hsum(p);
+    m[q] = m_new;
+    std::memcpy(pw[q], &p, sizeof pw[q]);
+  }
+  const int64_t vecs = head_dim / 16;
+  int64_t j = 0;
+  for (; j + 4 <= vecs; j += 4) add_values<NQ, 4>(acc, corr, pw, vrow, visible, 16 * j);
+  for (; j < vecs; ++j) add_values<NQ, 1>(acc, corr, pw, vrow, visible, 16 * j);
 }
 
 }  // namespace
@@ -113,40 +176,38 @@ int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ct
       const int64_t seen = ctx + r0 + rows;    // keys the block's last query sees
       for (int64_t c0 = 0; c0 < seen; c0 += kKeys) {
         const int64_t nk = std::min<int64_t>(kKeys, seen - c0);
+        // The key's block and offset stepped along, not divided out per key (a 64-bit division a key).
+        int64_t blk = c0 / block_size, in_blk = c0 % block_size;
         for (int64_t t = 0; t < kKeys; ++t) {
-          const int64_t tok = c0 + std::min(t, nk - 1);       // past the end: a repeat, masked below
-          const int64_t off = (table[tok / block_size] * block_size + tok % block_size) * token_stride + g * head_dim;
+          // past the end: a repeat of the last key, masked below
+          const int64_t off = (table[blk] * block_size + in_blk) * token_stride + g * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeys + t] = k_cache[off + d];
           vrow[t] = v_cache + off;
+          if (t + 1 < nk && ++in_blk == block_size) in_blk = 0, ++blk;
         }
-        for (int64_t v = 0; v < qvs; ++v) {
-          const int64_t pos = ctx + r0 + v / group;           // this query's position
+        // Row by row, the row's query vectors (its group's heads: consecutive v) kQueries at a time.
+        for (int64_t v0 = 0; v0 < qvs; v0 += group) {
+          const int64_t pos = ctx + r0 + v0 / group;          // this row's position
           if (c0 > pos) continue;                             // every key here is in its future
-          const float* qv = qs.data() + v * head_dim;
-          // Four independent sums: one chain of head_dim multiply-adds waits on each one's latency.
-          rs_f16 s4[4] = {};
-          for (int64_t d = 0; d < head_dim; d += 4) {
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; ++u) s4[u] += qv[d + u] * load16(kt.data() + (d + u) * kKeys);
-          }
-          rs_f16 s = (s4[0] + s4[1]) + (s4[2] + s4[3]);
           const int64_t visible = std::min<int64_t>(nk, pos - c0 + 1);
-          const rs_f16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-          const rs_i16 seen_mask = lane < static_cast<float>(visible);
-          s = seen_mask ? s : rs_f16{} - 3.0e38f;
-          const float m_new = std::max(m[v], hmax(s));
-          rs_f16 p = rs_expv<rs_f16, rs_i16>(s - m_new);
-          p = seen_mask ? p : rs_f16{};
-          const float corr = rs_expv<rs_f16, rs_i16>(rs_f16{} + (m[v] - m_new))[0];
-          l[v] = l[v] * corr + hsum(p);
-          m[v] = m_new;
-          alignas(64) float pw[kKeys];
-          std::memcpy(pw, &p, sizeof pw);
-          float* a = acc.data() + v * head_dim;
-          if (vecs == 4) {
-            add_values<4>(a, corr, pw, vrow.data(), visible);
-          } else {
-            for (int64_t j = 0; j < vecs; ++j) add_values<1>(a + 16 * j, corr, pw, vrow.data(), visible, 16 * j);
+          for (int64_t v = v0; v < v0 + group; v += kQueries) {
+            const int nq = static_cast<int>(std::min<int64_t>(kQueries, v0 + group - v));
+            const float* qv[kQueries];
+            float* a[kQueries];
+            for (int q = 0; q < nq; ++q) {
+              qv[q] = qs.data() + (v + q) * head_dim;
+              a[q] = acc.data() + (v + q) * head_dim;
+            }
+            float* mv = m.data() + v;
+            float* lv = l.data() + v;
+            switch (nq) {
+              case 1: attend<1>(qv, mv, lv, a, kt.data(), vrow.data(), visible, head_dim); break;
+              case 2: attend<2>(qv, mv, lv, a, kt.data(), vrow.data(), visible, head_dim); break;
+#ifdef __AVX512F__
+              case 3: attend<3>(qv, mv, lv, a, kt.data(), vrow.data(), visible, head_dim); break;
+              default: attend<4>(qv, mv, lv, a, kt.data(), vrow.data(), visible, head_dim); break;
+#endif
+            }
           }
         }
       }
