@@ -49,11 +49,14 @@ def test_blocked_causal_attention_matches_sdpa(ctx, n):
 
 
 @pytest.mark.parametrize("build", BUILDS, indirect=True)
-@pytest.mark.parametrize("ctx,n,block_size", [(0, 37, 16), (45, 20, 8)])
-def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size, build):
-    """A chunk of n queries after ctx cached tokens, its blocks scattered in the cache, GQA (3 query
-    heads a KV head), n not a multiple of the kernel's 16 rows: against SDPA on the gathered keys."""
-    heads, kvh, hd, blocks = 6, 2, 32, 16
+@pytest.mark.parametrize("ctx,n,block_size,heads,kvh,hd", [(0, 37, 16, 6, 2, 32), (45, 20, 8, 6, 2, 32),
+                                                            (29, 21, 5, 10, 2, 80)])
+def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size, heads, kvh, hd, build):
+    """A chunk of n queries after ctx cached tokens, its blocks scattered in the cache, GQA (3 or 5
+    query heads a KV head: a group the kernel splits into several sets of heads sharing each key),
+    n not a multiple of the kernel's 16 rows, a head_dim of 2 or 5 vectors, a block size that is no
+    power of two: against SDPA on the gathered keys."""
+    blocks = 16
     g = torch.Generator().manual_seed(n)
     total = ctx + n
     table = torch.randperm(blocks, generator=g)[:-(-total // block_size)]
