@@ -136,6 +136,8 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
 #pragma GCC unroll 8
   for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
+    // As in tile_dot: ask for the weight 4 KB ahead, so its DRAM latency overlaps this block's dots.
+    for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
     __m512i w[8];     // the block's codes for 4 input bytes each (Q4_*: low nibbles, then high)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
