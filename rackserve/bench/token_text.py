@@ -111,21 +111,27 @@ class PromptRenderer:
             self._blocks[(namespace, key)] = words
         return words
 
+    def blocks(self, hash_ids: Sequence[int], num_tokens: int, namespace: str, shared_blocks: int
+               ) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+        """The blocks of a prompt of `num_tokens` tokens as (shared keys, own keys, words of the
+        last block): its first `shared_blocks` blocks come from the shared namespace by position,
+        the rest from `namespace` by hash id; the last block may be partial (a prefix of its block)."""
+        assert 0 <= num_tokens <= len(hash_ids) * self.block_size, "hash ids do not cover the prompt"
+        count = -(-num_tokens // self.block_size)
+        last = num_tokens - (count - 1) * self.block_size if count else 0
+        shared = [(SHARED_NAMESPACE, position) for position in range(min(shared_blocks, count))]
+        own = [(namespace, key) for key in hash_ids[len(shared):count]]
+        return shared, own, last
+
     def prompt(self, hash_ids: Sequence[int], num_tokens: int, namespace: str,
                shared_blocks: int) -> tuple[str, str]:
-        """The text of a prompt of `num_tokens` tokens as (shared part, own part): its first
-        `shared_blocks` blocks come from the shared namespace by position, the rest from
-        `namespace` by hash id; the last block may be partial (a prefix of its block)."""
-        assert 0 <= num_tokens <= len(hash_ids) * self.block_size, "hash ids do not cover the prompt"
+        """The text of a prompt of `num_tokens` tokens as (shared part, own part) (see `blocks`)."""
+        shared, own, last = self.blocks(hash_ids, num_tokens, namespace, shared_blocks)
+        keys = shared + own
         parts: tuple[list[str], list[str]] = ([], [])
-        left = num_tokens
-        for position, key in enumerate(hash_ids):
-            if left <= 0:
-                break
-            shared = position < shared_blocks
-            words = self.block(SHARED_NAMESPACE, position) if shared else self.block(namespace, key)
-            parts[0 if shared else 1].extend(words[:left])
-            left -= self.block_size
+        for i, key in enumerate(keys):
+            words = self.block(*key)
+            parts[0 if i < len(shared) else 1].extend(words[:last] if i == len(keys) - 1 else words)
         return render(parts[0]), render(parts[1])
 
     def messages(self, hash_ids: Sequence[int], num_tokens: int, namespace: str, shared_blocks: int,

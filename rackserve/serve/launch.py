@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 
 import uvicorn
@@ -24,6 +23,7 @@ from rackserve.serve.admission import Admission
 from rackserve.serve.api_server import build_app
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
+from rackserve.serve.signals import stop_signals_to
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,8 @@ def run_server(args: argparse.Namespace) -> None:
                                 timeout_graceful_shutdown=3)
         # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
         # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with stop_signals_to(lambda *_: None):
             died = asyncio.run(_serve(_Server(config, engine, app.state.admission, args.shutdown_timeout), engine))
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
     finally:
         engine.shutdown()
         if kv_publisher is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from rackserve.bench.token_text import SHARED_NAMESPACE, PromptRenderer
+from rackserve.bench.token_text import PromptRenderer
 from rackserve.sim.chat_template import TemplateTokens
 
 MAX_CACHED_BLOCKS = 1 << 19     # ~0.3 GB of ids: more than the blocks of 256 full-size lanes
@@ -35,11 +35,7 @@ class BlockRenderer(PromptRenderer):
 
     def messages(self, hash_ids: Sequence[int], num_tokens: int, namespace: str, shared_blocks: int,
                  marker: str) -> list[dict]:
-        assert 0 <= num_tokens <= len(hash_ids) * self.block_size, "hash ids do not cover the prompt"
-        count = -(-num_tokens // self.block_size)
-        last = num_tokens - (count - 1) * self.block_size if count else 0
-        shared = [(SHARED_NAMESPACE, p) for p in range(min(shared_blocks, count))]
-        own = [(namespace, key) for key in hash_ids[len(shared):count]]
+        shared, own, last = self.blocks(hash_ids, num_tokens, namespace, shared_blocks)
         messages = [{"role": "system", "content": BlockText("", tuple(shared), last if not own else self.block_size,
                                                             self)}] if shared else []
         messages.append({"role": "user", "content": BlockText(marker, tuple(own), last, self)})
