@@ -44,10 +44,9 @@ class InstanceStats:
     prefix_hits: int = 0
     prefix_queries: int = 0
     preemptions: int = 0
-    dp_idle_seconds: float = 0.0        # summed over DP ranks: waiting for the slowest rank
-    dp_busy_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
-    dp_steps: list[tuple[float, float, float]] = field(default_factory=list)   # (start, idle, busy) a DP step
+    # (start, idle, busy) a DP step; idle and busy summed over its ranks (idle: waiting for the slowest)
+    dp_steps: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 class SimInstance:
@@ -133,10 +132,8 @@ class SimInstance:
         s.prefix_queries += stats.prefix_cache_queries
         s.preemptions += stats.num_preemptions
         if len(stats.dp_ranks) > 1:
-            idle, busy = sum(r.idle_seconds for r in stats.dp_ranks), sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)
-            s.dp_idle_seconds += idle
-            s.dp_busy_seconds += busy
-            s.dp_steps.append((self.clock(), idle, busy))
+            s.dp_steps.append((self.clock(), sum(r.idle_seconds for r in stats.dp_ranks),
+                               sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)))
 
 
 class SimClient:

@@ -245,8 +245,8 @@ class SimSetup:
         # Under P/D the hit rate is the prefill pool's: where a hit saves compute.
         hits = (sum(i.stats.prefix_hits for i in computing), sum(i.stats.prefix_queries for i in computing))
         summary = summarize(records, concurrency, self.all_devices, hits)
-        busy = sum(i.stats.dp_busy_seconds for i in instances)
-        idle = sum(i.stats.dp_idle_seconds for i in instances)
+        idle = sum(x for i in instances for _, x, _ in i.stats.dp_steps)
+        busy = sum(y for i in instances for _, _, y in i.stats.dp_steps)
         steps = [s for i in instances for s in i.stats.step_seconds]
         # Steady state: the steps that started while the lanes were starting measured requests (not
         # the first warm-ups, nor the drain after the deadline, where ranks run out of work unevenly).
