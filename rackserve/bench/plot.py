@@ -1,6 +1,7 @@
 """`rackserve bench plot`: the AgentX figure from `bench serve` results: throughput per device
 against P90 interactivity, one point per concurrency level, each system's upper frontier drawn,
 several systems overlaid with a legend. Invalid runs are drawn hollow and left off the frontier.
+With several files it also prints the first against each other one (curve_compare.py).
 
 This file owns the figure. It must never run a benchmark nor recompute a metric.
 """
@@ -92,4 +93,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     plot_results(results, args.output, args.title)
     print(f"wrote {args.output}")
+    from rackserve.bench.curve_compare import comparison_lines
+    for other in results[1:]:           # the first file against each other one
+        print("\n".join(comparison_lines(results[0], other)))
     return 0
