@@ -17,6 +17,10 @@ def test_latency_writes_rackserve_hf_and_limit(tiny_llama_dir, tmp_path):
     assert result["decode_ratio_vs_hf"] == result["rackserve"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
     assert result["weight_read_limit_tok_s"] > 0 and result["limits"]["processor"]
     assert result["command"].startswith("rackserve ")
+    # What the run shared the CPU with: the load, and the slices other tasks took from each system's threads.
+    assert len(result["machine"]["load_average"]) == 3
+    assert result["rackserve"]["decode_steps"] == 2 * 7 and result["rackserve"]["median_step_tok_s"] > 0
+    assert all(isinstance(result[s]["preemptions"], int) for s in ("rackserve", "hf"))
     # What the figure ran on: this CPU's native build; a safetensors model has no packed kernel.
     from rackserve.model.native import choose_isa
     assert (result["native_isa"], result["quant_kernel"]) == (choose_isa().isa, None)

@@ -1,10 +1,13 @@
 """The machine's limits, measured on the spot: memory read bandwidth and fp32 matmul FLOP/s.
 
-Benchmarks divide by these to say how close a figure is to what the hardware allows. This file
+Benchmarks divide by these to say how close a figure is to what the hardware allows, and read
+`preemptions()` around a timed part to say how much of the CPU other tasks took from it. This file
 owns only the measurements; it never runs a model.
 """
 from __future__ import annotations
 
+import glob
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -61,3 +64,19 @@ def measure_limits(device: str = "cpu", dtype: torch.dtype = torch.float32, repe
     mm_s = _median_seconds(lambda: a @ b, max(3, repeats // 2), sync)
     return Limits(device, processor_name(device), torch.get_num_threads(), size / read_s / 1e9,
                   2 * n**3 / mm_s / 1e9, torch.backends.cpu.get_cpu_capability())
+
+
+def preemptions() -> int | None:
+    """This process's involuntary context switches so far, all its threads (Linux; None elsewhere).
+    On a shared machine each is a scheduler slice another task took from one of our threads, and a
+    step whose threads meet at barriers waits for it: a timed part's count says how shared it ran."""
+    total = None
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/status"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("nonvoluntary_ctxt_switches:"):
+                        total = (total or 0) + int(line.split()[1])
+        except OSError:                 # a thread that ended between the listing and the read
+            continue
+    return total

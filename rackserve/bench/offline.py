@@ -63,7 +63,9 @@ def _workload_flops(cost, requests: list[tuple[list[int], int]]) -> int:
 
 
 def _write(path: str | None, result: dict) -> None:
+    from rackserve.bench.record import machine_state
     result["command"] = "rackserve " + " ".join(sys.argv[1:])
+    result["machine"] = machine_state()         # the load it ran under
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
@@ -86,7 +88,8 @@ def _add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3)
 
 
-def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tuple[float, float]:
+def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tuple[float, float, float]:
+    """(TTFT seconds, decode tokens/s after the first token, the median step's seconds)."""
     from rackserve.sampling_params import SamplingParams
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -96,7 +99,17 @@ def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tu
     while engine.has_unfinished_requests():
         if engine.step():
             times.append(time.perf_counter())
-    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
+    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0]), statistics.median(
+        b - a for a, b in zip(times, times[1:]))
+
+
+def _timed(fn, runs: int) -> tuple[list[tuple], int | None]:
+    """`runs` calls of fn(), and the preemptions our threads took meanwhile (limits.preemptions)."""
+    from rackserve.bench.limits import preemptions
+    before = preemptions()
+    out = [fn() for _ in range(runs)]
+    after = preemptions()
+    return out, None if before is None or after is None else after - before
 
 
 @register_subcommand("bench latency", "single-stream TTFT and decode tokens/s, against HF and the "
@@ -109,9 +122,13 @@ def run_latency(args: argparse.Namespace) -> None:
     rng = random.Random(engine_args.seed)
     prompt = _random_prompt(rng, llm.engine.core.executor.vocab_size, args.input_len)
     _stream_once(llm, prompt, 8, "warmup")
-    runs = [_stream_once(llm, prompt, args.output_len, f"run{i}") for i in range(args.runs)]
+    names = iter(range(args.runs))
+    runs, preempted = _timed(lambda: _stream_once(llm, prompt, args.output_len, f"run{next(names)}"), args.runs)
     ttft = statistics.median(r[0] for r in runs)
     tps = statistics.median(r[1] for r in runs)
+    # A step that lost a scheduler slice to another task is slower by the slice: the median step
+    # says what the code does when nothing takes the CPU, the rate above what this run got.
+    median_step_tps = 1 / statistics.median(r[2] for r in runs)
     from rackserve.bench.forward_steps import ForwardPoint
     step_bytes = _cost(llm).step_bytes(ForwardPoint("decode", 1, args.input_len + args.output_len // 2, 1))
     device, kernels = llm.engine.config.model.device, _kernels(llm)
@@ -120,23 +137,27 @@ def run_latency(args: argparse.Namespace) -> None:
     limit_tps = limits.mem_read_gbps * 1e9 / step_bytes
     result = {"bench": "latency", "model": engine_args.model, "input_len": args.input_len,
               "output_len": args.output_len, "runs": args.runs, "limits": vars(limits),
-              "decode_step_bytes": step_bytes, "rackserve": {"ttft_s": ttft, "decode_tok_s": tps},
-              "weight_read_limit_tok_s": limit_tps, **kernels}
+              "decode_step_bytes": step_bytes, "weight_read_limit_tok_s": limit_tps, **kernels,
+              "rackserve": {"ttft_s": ttft, "decode_tok_s": tps, "median_step_tok_s": median_step_tps,
+                            "preemptions": preempted, "decode_steps": args.runs * (args.output_len - 1)}}
     print(f"machine: {limits.describe()}; native library {kernels['native_isa']}, "
           f"quantized-linear kernel {kernels['quant_kernel']}")
     print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
           f"({tps / limit_tps:.0%} of the weight-read limit {limit_tps:.1f} tok/s)")
+    print(f"           at its median step {median_step_tps:6.1f} tok/s ({median_step_tps / limit_tps:.0%}); "
+          f"preempted {preempted} times in {args.runs * (args.output_len - 1)} steps")
     if "llama.cpp" in args.peer:
         import torch
         from rackserve.bench.llama_cpp_peer import llama_cpp_stream_timing, load_llama_cpp
         threads = torch.get_num_threads()
         peer_llm = load_llama_cpp(engine_args.model, threads, args.input_len + args.output_len + 16)
         llama_cpp_stream_timing(peer_llm, prompt, 8)
-        peer = [llama_cpp_stream_timing(peer_llm, prompt, args.output_len) for _ in range(args.runs)]
+        peer, peer_preempted = _timed(lambda: llama_cpp_stream_timing(peer_llm, prompt, args.output_len), args.runs)
         del peer_llm
         cpp_ttft = statistics.median(r[0] for r in peer)
         cpp_tps = statistics.median(r[1] for r in peer)
-        result["llama_cpp"] = {"ttft_s": cpp_ttft, "decode_tok_s": cpp_tps, "threads": threads}
+        result["llama_cpp"] = {"ttft_s": cpp_ttft, "decode_tok_s": cpp_tps, "threads": threads,
+                               "preemptions": peer_preempted}
         result["decode_ratio_vs_llama_cpp"] = tps / cpp_tps
         print(f"llama.cpp  TTFT {cpp_ttft * 1e3:7.1f} ms   decode {cpp_tps:6.1f} tok/s ({threads} threads)")
         print(f"rackserve / llama.cpp decode: {tps / cpp_tps:.2f}x")
@@ -144,10 +165,10 @@ def run_latency(args: argparse.Namespace) -> None:
         from rackserve.bench.hf_peer import hf_stream_timing, load_hf_model
         model = load_hf_model(engine_args.model)
         hf_stream_timing(model, prompt, 8)
-        peer = [hf_stream_timing(model, prompt, args.output_len) for _ in range(args.runs)]
+        peer, peer_preempted = _timed(lambda: hf_stream_timing(model, prompt, args.output_len), args.runs)
         hf_ttft = statistics.median(r[0] for r in peer)
         hf_tps = statistics.median(r[1] for r in peer)
-        result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps}
+        result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps, "preemptions": peer_preempted}
         result["decode_ratio_vs_hf"] = tps / hf_tps
         print(f"HF         TTFT {hf_ttft * 1e3:7.1f} ms   decode {hf_tps:6.1f} tok/s")
         print(f"rackserve / HF decode: {tps / hf_tps:.2f}x")
