@@ -68,7 +68,7 @@ def plot_results(results: list[dict], path: str, title: str | None = None) -> No
     ax.margins(0.2)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.legend(fontsize=7)            # long labels (a peer's flags) must not cover the points
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
