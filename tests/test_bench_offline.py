@@ -16,6 +16,7 @@ def test_latency_writes_rackserve_hf_and_limit(tiny_llama_dir, tmp_path):
     assert result["rackserve"]["decode_tok_s"] > 0 and result["hf"]["decode_tok_s"] > 0
     assert result["decode_ratio_vs_hf"] == result["rackserve"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
     assert result["weight_read_limit_tok_s"] > 0 and result["limits"]["processor"]
+    assert result["limits"]["mem_read_gbps"] == max(result["mem_read_gbps_before_after"])
     assert result["command"].startswith("rackserve ")
     # What the run shared the CPU with: the load, and the slices other tasks took from each system's threads.
     assert len(result["machine"]["load_average"]) == 3
