@@ -4,23 +4,16 @@ A block is in use (ref_cnt > 0) or free. Free blocks wait in an LRU queue; those
 hash stay findable by it (the prefix cache) until they are evicted, oldest first, to make room.
 With events enabled, every store, eviction and reset queues exactly one KV event (core/kv_events.py)
 for the engine to publish; a block whose hash already has a cached twin stores nothing.
+Blocks are made on first use (core/free_block_queue.py), so a pool of millions starts at once.
 This file never decides which request gets blocks (that is KVCacheManager) and never imports torch.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from rackserve.core.free_block_queue import BlockList, FreeBlockQueue, KVBlock
 from rackserve.core.hashing import BlockHash
 from rackserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-
-
-@dataclass(eq=False)
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None   # set once the block is full and registered in the cache
 
 
 class BlockPool:
@@ -30,10 +23,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Free blocks, least recently freed first: the front is evicted first. An OrderedDict gives
-        # O(1) removal from the middle when a cached free block is hit again.
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks = BlockList(num_blocks)
+        # Free blocks, least recently freed first: the front is evicted first; O(1) removal from
+        # the middle when a cached free block is hit again.
+        self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
 
@@ -52,7 +45,7 @@ class BlockPool:
         """Take a reference on blocks found in the cache, pulling free ones out of the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self.free_queue[block.block_id]
+                self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
@@ -60,7 +53,7 @@ class BlockPool:
         assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
         out = []
         for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+            block = self.free_queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -111,10 +104,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     # Nothing to find in it: reuse it before any cached block.
-                    self.free_queue[block.block_id] = block
-                    self.free_queue.move_to_end(block.block_id, last=False)
+                    self.free_queue.push_front(block)
                 else:
-                    self.free_queue[block.block_id] = block
+                    self.free_queue.push_back(block)
 
     def uncache(self, block: KVBlock) -> None:
         """Forget a free block's hash, so that a fresher copy of its content can take the name."""
@@ -125,7 +117,7 @@ class BlockPool:
         """Forget every cached hash; only possible when no block is in use."""
         if self.num_free_blocks != self.num_blocks:
             return False
-        for block in self.blocks:
+        for block in self.blocks.made:      # blocks never made hold no hash
             block.block_hash = None
         self.cached.clear()
         if self.enable_kv_cache_events:
@@ -145,15 +137,18 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, where cached blocks are free blocks still holding a
-        hash; free-queue membership matches ref counts; the index points at blocks with its hash."""
-        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        cached = sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+        hash; free-queue membership matches ref counts; the index points at blocks with its hash.
+        Blocks never made are free and hold no hash (they are all in the queue's never-used range)."""
+        made = self.blocks.made
+        in_use = sum(1 for b in made if b.ref_cnt > 0)
+        cached = sum(1 for b in made if b.ref_cnt == 0 and b.block_hash is not None)
         free = self.num_free_blocks - cached
         assert free + cached + in_use == self.num_blocks, (free, cached, in_use, self.num_blocks)
-        for block in self.blocks:
+        for block in made:
             assert block.ref_cnt >= 0
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), block
+        assert len(made) == self.num_blocks or len(made) in self.free_queue
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash
-        assert sum(1 for b in self.blocks if b.block_hash is not None) == len(self.cached), \
+        assert sum(1 for b in made if b.block_hash is not None) == len(self.cached), \
             "a block holds a hash it is not cached under"
