@@ -175,3 +175,19 @@ def test_kv_logs_each_decision_that_leaves_the_best_cached_worker(caplog):
     assert moved["chosen"] == "b#0" and moved["prompt_blocks"] == 4
     assert moved["workers"][0] == {"worker": "a#0", "cost": 10.0, "cached_blocks": 3, "uncached_blocks": 1,
                                    "new_blocks": 4, "active_requests": 1, "active_blocks": 5, "prefill_blocks": 0.0}
+
+
+def test_kv_prefill_keeps_a_long_session_on_the_rank_that_caches_it():
+    """Contexts of 100K+ tokens: a session's 400 cached blocks on A, while A decodes one more long
+    request (500 active blocks) than B. kv's decode term (one block for one block) moves the
+    session to B, recomputing all of it; kv_prefill (the least uncached work) keeps it on A, and
+    still leaves A once A's queued prefill outweighs what A caches."""
+    prompt = list(range(1000, 1402))                                    # 402 blocks, 400 cached on A
+    index, loads = index_with(A=prompt[:400]), ActiveLoads()
+    loads.add("long", A, list(range(5000, 5500)), prefill_blocks=0.0)   # decoding, 500 blocks
+    assert create_policy("kv", seed=0).choose(prompt, [A, B], index, loads) == (B, 0)
+    assert create_policy("kv_prefill", seed=0).choose(prompt, [A, B], index, loads) == (A, 400)
+    costs, _ = create_policy("kv_prefill", seed=0).costs(prompt, [A, B], index, loads)
+    assert costs == [2, 402]
+    loads.add("queued", A, list(range(6000, 6401)), prefill_blocks=401.0)
+    assert create_policy("kv_prefill", seed=0).choose(prompt, [A, B], index, loads) == (B, 0)

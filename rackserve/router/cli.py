@@ -12,12 +12,13 @@ import sys
 
 from rackserve.serve.cli import register_subcommand
 
-POLICIES = ("kv", "prefix", "least_load", "round_robin")   # router/policies.py's registry
+POLICIES = ("kv", "kv_prefill", "prefix", "least_load", "round_robin")   # router/policies.py's registry
 
 
 def add_router_policy_args(parser: argparse.ArgumentParser, flag: str = "--policy") -> None:
     parser.add_argument(flag, default="kv", choices=POLICIES,
-                        help="kv: least uncached prefill + active blocks (Dynamo); prefix: SGLang's "
+                        help="kv: least uncached prefill + active blocks (Dynamo); kv_prefill: kv's "
+                             "uncached prefill alone (the least uncached work); prefix: SGLang's "
                              "cache-aware rule; least_load; round_robin")
     parser.add_argument("--overlap-weight", type=float, default=None,
                         help="kv policy: Dynamo's rule in blocks, this weight on uncached prefill blocks against "
@@ -64,7 +65,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def policy_options(args: argparse.Namespace, policy: str) -> dict:
-    if policy == "kv":
+    if policy in ("kv", "kv_prefill"):
         return {"overlap_weight": args.overlap_weight, "temperature": args.router_temperature}
     return {}
 

@@ -11,6 +11,7 @@ router's predicted loads.
   `overlap_weight` (or before any price is learned, weight 1), Dynamo's rule in blocks:
   overlap_weight * prefill blocks + decode blocks. Lowest cost wins, ties go to the worker with
   the smaller index, then at random. A temperature > 0 samples with p ~ exp(-normalised cost / T).
+- kv_prefill: kv's prefill term alone, the least uncached work (see KvPrefillPolicy).
 - prefix, SGLang's cache-aware rule over an approximate per-worker LRU of the blocks routed there.
 - least_load (fewest active requests) and round_robin: the baselines `kv` is measured against.
 - DecodeLoadPolicy (no --policy name): how the router picks decode workers when it has P/D pools.
@@ -130,6 +131,27 @@ class KvPolicy(RoutingPolicy):
                  for w, c, p in zip(workers, costs, prices)]
         logger.debug("kv moved off cache: %s", json.dumps(
             {"prompt_blocks": len(hashes), "chosen": f"{chosen.url}#{chosen.dp_rank}", "workers": terms}))
+
+
+@register_policy
+class KvPrefillPolicy(KvPolicy):
+    """The worker (and DP rank) with the least uncached work: the request's uncached blocks plus
+    the worker's queued prefill, in blocks; kv's decode term left out. It is the rule the seeds
+    name for the Vera Rubin routing A/B ("the worker and DP rank with the least uncached work").
+    Where decode is MoE-bound (the seeds: DeepSeek-V4.1-Flash's DEP32 step is 7% longer at 855K
+    context than at 128K, and "least-load balancing by request count per rank suffices for
+    decode"), a worker's active KV blocks say little about its decode load; with contexts of
+    100K+ tokens, kv's decode term, one block for one block, outweighs a session's cached prefix
+    and moves the session off the rank that caches it."""
+    name = "kv_prefill"
+
+    def prices(self, workers, loads):
+        return None     # blocks of prefill only: no seconds to weigh them against
+
+    @staticmethod
+    def terms(hashes, worker, overlaps, loads):
+        prefill, _ = KvPolicy.terms(hashes, worker, overlaps, loads)
+        return prefill, 0
 
 
 @register_policy

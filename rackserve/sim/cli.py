@@ -33,7 +33,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step")
     a("--acceptance-rate", type=float, default=0.0, help="chance that each draft token is accepted")
     a("--instances", type=int, default=1, help="engine instances behind the router")
-    a("--router-policy", default="least_load", help="the cluster router's kv, prefix, least_load or round_robin "
+    a("--router-policy", default="least_load", help="the cluster router's kv, kv_prefill, prefix, least_load or round_robin "
       "(fed the instances' KV events; it picks the DP rank too), or least_uncached (reads the prefix caches)")
     a("--kv-pool-memory", type=float, default=0.0, help="GiB of a KV pool all instances share (0: none); "
       "prompt blocks it holds beyond an instance's own hit load at --kv-pool-bandwidth instead of computing")
