@@ -1,0 +1,89 @@
+"""What a simulated DEP group's ranks wait for: each DP step's idle time split by cause.
+
+A rank's idle time in a lockstep step is the slowest rank's busy time minus its own
+(engine/data_parallel.py), and a rank's busy time is its dense, attention and MoE seconds
+(sim/cost.py). This script runs `rackserve sim` with the cost model's step wrapped to keep every
+step's per-rank parts, and splits the idle of the steady window (the steps started while lanes
+started measured requests, as `dp_idle_share_steady`) into the slowest rank's lead in dense work
+(tokens: a rank short of a full chunk budget), in attention + indexer (chunks at a deeper
+context) and in MoE (the experts each rank holds). It changes nothing it measures.
+
+  python bench/sim_dp_idle.py --output bench/results/sim-dp-idle-r7.json -- <rackserve sim flags>
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+
+from rackserve.serve.cli import main as cli_main
+from rackserve.sim import cost
+
+STEPS: list[dict] = []
+
+
+def _record(step):
+    def wrapped(self, batches):
+        result = step(self, batches)
+        if len(result.ranks) > 1 and any(batches):
+            STEPS.append({"start": asyncio.get_running_loop().time(), "tokens": [sum(w.new_tokens for w in b) for b in batches],
+                          "context": [max((w.context for w in b), default=0) for b in batches],
+                          "dense": [r.dense.seconds for r in result.ranks],
+                          "attention": [r.attention.seconds for r in result.ranks],
+                          "moe": [r.moe.seconds for r in result.ranks]})
+        return result
+    return wrapped
+
+
+def split(steps: list[dict], budget: int) -> dict:
+    """Idle seconds summed over ranks and steps, by what the slowest rank had more of."""
+    out = {"steps": len(steps), "busy": 0.0, "idle": 0.0, "idle_dense": 0.0, "idle_attention": 0.0,
+           "idle_moe": 0.0, "idle_in_steps_with_a_rank_short_of_budget": 0.0, "steps_with_a_rank_short": 0}
+    for s in steps:
+        busy = [d + a + m for d, a, m in zip(s["dense"], s["attention"], s["moe"])]
+        slow = busy.index(max(busy))
+        idle = sum(busy[slow] - b for b in busy)
+        out["busy"] += sum(busy)
+        out["idle"] += idle
+        for part in ("dense", "attention", "moe"):
+            out[f"idle_{part}"] += sum(s[part][slow] - x for x in s[part])
+        if min(s["tokens"]) < budget:
+            out["steps_with_a_rank_short"] += 1
+            out["idle_in_steps_with_a_rank_short_of_budget"] += idle
+    total = out["idle"] + out["busy"]
+    out["idle_share"] = out["idle"] / total if total else 0.0
+    for key in ("idle_dense", "idle_attention", "idle_moe", "idle_in_steps_with_a_rank_short_of_budget"):
+        out[key + "_of_idle"] = out[key] / out["idle"] if out["idle"] else 0.0
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--budget", type=int, default=16384, help="the run's --max-num-batched-tokens")
+    parser.add_argument("sim", nargs=argparse.REMAINDER, help="-- then rackserve sim's flags")
+    args = parser.parse_args()
+    sim_args = [a for a in args.sim if a != "--"]
+    cost.CostModel.step = _record(cost.CostModel.step)
+    run_json = args.output + ".run.json"
+    start = time.time()
+    assert cli_main(["sim", *sim_args, "--output", run_json]) == 0
+    run = json.load(open(run_json))["runs"][0]
+    os.remove(run_json)
+    # The steady window's bounds, from the record of the run (as sim/instance.py takes them).
+    starts = [r["start"] for r in run["requests"] if r["kind"] != "warmup"] or [0.0]
+    report = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv),
+              "cpu": platform.processor(), "wall_s": round(time.time() - start, 1), "sim": run["sim"],
+              "whole_run": split(STEPS, args.budget),
+              "steady": split([s for s in STEPS if min(starts) <= s["start"] <= max(starts)], args.budget)}
+    print(json.dumps({k: report[k] for k in ("sim", "whole_run", "steady")}, indent=1))
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""rackserve sim's wall time, and an engine's start-up, with two source trees one after the other.
+
+Run it under the bench lock (see docs/simulator.md, "Speed"):
+  flock /work/notes/bench.lock setsid sh -c 'echo -15 > /proc/self/autogroup; exec python
+      bench/sim_speed_ab.py --old OLD_TREE --new NEW_TREE --output bench/results/sim-speed-r7.json'
+OLD_TREE and NEW_TREE are checkouts (e.g. `git archive COMMIT | tar -x -C DIR`). Each simulated
+run's JSON, wall-clock fields left out, must be the same from both trees: a speed-up that changes
+a figure is a bug, and the script says so. The engine start-up builds LLM() on a tiny random
+Llama with a large KV cache (--kv-cache-memory), the case a lazy block pool speeds up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+SIM = ["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable-expert-parallel",
+       "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--seed", "0"]
+FULL = ["--instances", "3", "--data-parallel-size", "2", "--router-policy", "kv", "--block-size", "256",
+        "--kv-cache-memory", "100", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--scale", "1"]
+# tests/test_sim_speed.py's two runs (their JSON pinned), then full-size kv-routed runs.
+TEST_RUN = ["--block-size", "64", "--kv-cache-memory", "1", "--max-model-len", "32768", "--max-num-batched-tokens",
+            "4096", "--scale", "0.05", "--max-num-seqs", "64", "--duration", "5"]
+CONFIGS = {
+    "test-kv-routed-dep2": TEST_RUN + ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv",
+                                       "--concurrency", "12"],
+    "test-pd-kv-pool": TEST_RUN + ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1",
+                                   "--data-parallel-size", "2", "--router-policy", "least_uncached",
+                                   "--kv-pool-memory", "500", "--concurrency", "8"],
+    "c16-20s": FULL + ["--concurrency", "16", "--duration", "20"],
+    "c96-5s": FULL + ["--concurrency", "96", "--duration", "5"],
+    "c384-3s": FULL + ["--concurrency", "384", "--duration", "3"],
+}
+START = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from tiny_models import build_tiny_model
+path = build_tiny_model("LlamaForCausalLM", {model!r})
+from rackserve.engine.llm import LLM
+start = time.perf_counter()
+llm = LLM(path, device="cpu", kv_cache_memory={gib}, skip_tokenizer_init=True)
+built = time.perf_counter() - start
+blocks = sum(s.kv.num_blocks for s in llm.engine.core.schedulers)
+print(built, blocks)
+"""
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def timed(cmd: list[str], tree: str) -> tuple[float, float]:
+    env = {**os.environ, "PYTHONPATH": tree}
+    before = os.times()
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = os.times()
+    return time.perf_counter() - start, after.children_user - before.children_user
+
+
+def sim_run(name: str, tree: str, out: str) -> dict:
+    load_before = load()
+    wall, cpu = timed([sys.executable, "-m", "rackserve.serve.cli", *SIM, *CONFIGS[name], "--output", out], tree)
+    result = json.loads(open(out).read())
+    sims = [r["sim"] for r in result["runs"]]
+    figures = {"runs": result["runs"], "workload_stats": result.get("workload_stats")}
+    for s in sims:
+        s.pop("wall_seconds"), s.pop("speedup")
+    return {"process_wall_s": round(wall, 2), "user_s": round(cpu, 2),
+            "virtual_s": round(sum(s["virtual_seconds"] for s in sims), 1),
+            "load_before": load_before, "load_after": load(), "figures": figures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True)
+    parser.add_argument("--new", required=True)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--start-kv-gib", type=float, default=2.0)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    trees = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
+    report = {"what": __doc__.splitlines()[0], "cpu": platform.processor() or platform.machine(),
+              "command": " ".join(sys.argv), "trees": trees, "runs": [], "start": {}}
+    with open("/proc/cpuinfo") as f:
+        report["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), report["cpu"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs.split(","):
+            row = {"config": name}
+            for side, tree in trees.items():
+                row[side] = sim_run(name, tree, os.path.join(tmp, f"{name}-{side}.json"))
+            row["identical_figures"] = row["old"].pop("figures") == row["new"].pop("figures")
+            row["speedup_process"] = round(row["old"]["process_wall_s"] / row["new"]["process_wall_s"], 2)
+            report["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        code = START.format(tests=os.path.join(trees["new"], "tests"), model=os.path.join(tmp, "tiny"),
+                            gib=args.start_kv_gib)
+        for side, tree in trees.items():
+            out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": tree},
+                                 check=True, capture_output=True, text=True).stdout.split()
+            report["start"][side] = {"llm_build_s": round(float(out[0]), 3), "kv_blocks": int(out[1]),
+                                     "kv_cache_memory_gib": args.start_kv_gib, "load": load()}
+        print(json.dumps(report["start"]), flush=True)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+    if not all(r["identical_figures"] for r in report["runs"]):
+        sys.exit("the two trees' simulated figures differ")
+
+
+if __name__ == "__main__":
+    main()
