@@ -30,7 +30,8 @@ def _record(step):
     def wrapped(self, batches):
         result = step(self, batches)
         if len(result.ranks) > 1 and any(batches):
-            STEPS.append({"start": asyncio.get_running_loop().time(), "tokens": [sum(w.new_tokens for w in b) for b in batches],
+            STEPS.append({"start": asyncio.get_running_loop().time(),
+                          "tokens": [sum(w.new_tokens for w in b) for b in batches],
                           "context": [max((w.context for w in b), default=0) for b in batches],
                           "dense": [r.dense.seconds for r in result.ranks],
                           "attention": [r.attention.seconds for r in result.ranks],

@@ -88,7 +88,8 @@ def main() -> None:
     report = {"what": __doc__.splitlines()[0], "cpu": platform.processor() or platform.machine(),
               "command": " ".join(sys.argv), "trees": trees, "runs": [], "start": {}}
     with open("/proc/cpuinfo") as f:
-        report["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), report["cpu"])
+        report["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                             report["cpu"])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             row = {"config": name}

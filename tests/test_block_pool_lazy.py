@@ -54,3 +54,12 @@ def test_the_free_queue_order_is_a_fully_built_queues():
         assert [b.block_id for b in pool.free_queue.values()] == list(queue), step
         assert pool.num_free_blocks == len(queue)
     pool.check_integrity()
+
+
+def test_blocks_index_as_a_list_and_out_of_range_fails():
+    pool = BlockPool(5)
+    assert pool.blocks[-1].block_id == 4 and pool.blocks[2].block_id == 2 and len(pool.blocks) == 5
+    for bad in (5, -6):
+        with pytest.raises(IndexError):
+            pool.blocks[bad]
+    assert [b.block_id for b in pool.blocks] == [0, 1, 2, 3, 4]

@@ -38,7 +38,7 @@ class BlockList(Sequence[KVBlock]):
         made = self.made
         if i < 0:
             i += self._num_blocks
-        if i >= len(made):
+        if not 0 <= i < len(made):
             if not 0 <= i < self._num_blocks:
                 raise IndexError(i)
             made.extend(KVBlock(j) for j in range(len(made), i + 1))
