@@ -21,7 +21,7 @@ import time
 
 SIM = ["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable-expert-parallel",
        "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--seed", "0"]
-FULL = ["--instances", "3", "--data-parallel-size", "2", "--router-policy", "kv", "--block-size", "256",
+FULL = ["--instances", "3", "--data-parallel-size", "2", "--block-size", "256",
         "--kv-cache-memory", "100", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--scale", "1"]
 # tests/test_sim_speed.py's two runs (their JSON pinned), then full-size kv-routed runs.
 TEST_RUN = ["--block-size", "64", "--kv-cache-memory", "1", "--max-model-len", "32768", "--max-num-batched-tokens",
@@ -32,9 +32,11 @@ CONFIGS = {
     "test-pd-kv-pool": TEST_RUN + ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1",
                                    "--data-parallel-size", "2", "--router-policy", "least_uncached",
                                    "--kv-pool-memory", "500", "--concurrency", "8"],
-    "c16-20s": FULL + ["--concurrency", "16", "--duration", "20"],
-    "c96-5s": FULL + ["--concurrency", "96", "--duration", "5"],
-    "c384-3s": FULL + ["--concurrency", "384", "--duration", "3"],
+    "c16-20s": FULL + ["--router-policy", "kv", "--concurrency", "16", "--duration", "20"],
+    "c96-5s": FULL + ["--router-policy", "kv", "--concurrency", "96", "--duration", "5"],
+    "c384-3s": FULL + ["--router-policy", "kv", "--concurrency", "384", "--duration", "3"],
+    # The sixth round's routing A/B baseline (490 simulated s): long enough for the ids' cache to fill.
+    "c384-90s-least-load": FULL + ["--router-policy", "least_load", "--concurrency", "384", "--duration", "90"],
 }
 START = """
 import sys, time
