@@ -9,6 +9,7 @@ queued. If a step raises, every in-flight request fails with that error and the 
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -136,6 +137,11 @@ class AsyncEngine:
             return
         finally:
             ready.set()
+        # What start-up built (torch, the tokenizer, the model's modules: ~1M objects) lives as long
+        # as the engine: frozen out of the collector, a full collection while serving scans only
+        # what serving allocated (one took 117-390 ms unfrozen, stalling a step), as vLLM does.
+        gc.collect()
+        gc.freeze()
         self._run()
 
     def _run(self) -> None:
