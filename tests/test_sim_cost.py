@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rackserve.config import ModelConfig
-from rackserve.sim.cost import CostModel, ParallelShape, SeqWork
+from rackserve.sim.cost import CostModel, ParallelShape, SeqWork, StepCost
 from rackserve.sim.hardware import HARDWARE, load_hardware
 from rackserve.sim.model_spec import load_model_spec, model_aliases
 
@@ -206,6 +206,50 @@ def test_serving_path_is_measured_from_a_random_workload_run():
     assert CostModel(spec, served).step([mixed]).seconds == pytest.approx(1.3 * model.step([mixed]).seconds)
     with pytest.raises(ValueError, match="random workload"):
         measure_serve_path({"workload": "agentx", "runs": runs}, spec, cpu)
+
+
+def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_step(tiny_llama_dir):
+    """At one lane every chunk gap is one decode step: the spread is the gaps over their median, one
+    quantile per twentieth of them; a simulated step's time is its cost times one of them, each
+    drawn about as often, the same draws on a rerun; a device without a spread prices the cost."""
+    import dataclasses
+    import statistics
+
+    from rackserve.config import EngineArgs
+    from rackserve.core.outputs import SchedulerOutput
+    from rackserve.sim.executor import SimExecutor
+    from rackserve.sim.serve_path import step_spread
+    gaps = [0.010] * 60 + [0.012] * 20 + [0.020] * 20      # a tenth of the steps twice the median
+    chunks = [sum(gaps[:i]) for i in range(len(gaps) + 1)]
+    run = {"concurrency": 1, "requests": [{"kind": "main", "error": None, "chunk_times": chunks},
+                                          {"kind": "warmup", "error": None, "chunk_times": [0.0, 5.0]}]}
+    spread = step_spread(run)
+    assert spread == pytest.approx([1.0] * 12 + [1.2] * 4 + [2.0] * 4)
+    with pytest.raises(ValueError, match="one lane"):
+        step_spread({**run, "concurrency": 2})
+
+    config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
+    plain = dataclasses.replace(load_hardware("cpu"), serve_step_spread=())
+
+    class Fixed:   # a pricer whose every step costs 10 ms on `hw`
+        def __init__(self, hw):
+            self.hw = hw
+
+        def step(self, batches):
+            return StepCost(0.01, [])
+
+    def draws(hw) -> list[float]:
+        executor = SimExecutor(config, Fixed(hw), load_model_spec("smollm2-135m-instruct"))
+        times = []
+        for _ in range(2000):
+            executor.execute_dp([SchedulerOutput([], [], {}, 0)])
+            times.append(executor.last_step_seconds / 0.01)
+        return times
+
+    drawn = draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
+    assert drawn == draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
+    assert statistics.median(drawn) == pytest.approx(1.0) and sum(d == 2.0 for d in drawn) / 2000 == pytest.approx(0.2, abs=0.03)
+    assert set(draws(plain)) == {1.0}
 
 
 def test_a_bounded_indexer_stops_growing_with_context():

@@ -54,7 +54,7 @@ class TimedExecutor(SimExecutor):
         super().execute_dp(scheduler_outputs)     # the priced step; the real outputs go back
         if any(self._works):
             self.steps.append({"batches": [[list(w) for w in b] for b in self._works], "measured_s": seconds,
-                               "modelled_s": self.last_step_seconds})
+                               "modelled_s": self.last_cost.seconds})
         self.last_step_seconds = seconds
         return outputs
 

@@ -2,8 +2,9 @@
 ones do (SchedulerOutput in, ModelRunnerOutput out, one per DP rank in lockstep) but runs no model:
 it keeps each request's progress from the SchedulerOutputs, prices the step with a cost model, and
 samples stand-in tokens (a hash of the request and position: distinct requests never share output
-blocks). `last_step_seconds` is the virtual time the step took; whoever drives the engine advances
-its clock by it.
+blocks). `last_step_seconds` is the virtual time the step took: its cost, times a draw from the
+device's measured spread of served steps (`serve_step_spread`, a CPU's; hashed from the step's
+number, so reruns agree); whoever drives the engine advances its clock by it.
 
 It sizes the KV cache from --kv-cache-memory and the model's KV bytes per token, as a GPU worker
 would. It must never sleep, read a clock nor import torch.
@@ -69,6 +70,8 @@ class SimExecutor(Executor):
         self._reqs: list[dict[str, _ReqState]] = [{} for _ in range(self._dp)]
         self.last_step_seconds = 0.0
         self.last_cost: StepCost | None = None
+        self._spread: tuple[float, ...] = tuple(getattr(getattr(self.pricer, "hw", None), "serve_step_spread", ()))
+        self._steps, self._seed = 0, config.model.seed
 
     @property
     def dp_num_kv_blocks(self) -> list[int]:
@@ -82,7 +85,7 @@ class SimExecutor(Executor):
         assert len(scheduler_outputs) == self._dp, "one SchedulerOutput per DP rank"
         batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
         cost = self.pricer.step([[w for _, w, _ in batch if w.new_tokens] for batch in batches])
-        self.last_cost, self.last_step_seconds = cost, cost.seconds
+        self.last_cost, self.last_step_seconds = cost, cost.seconds * self._spread_draw()
         connector = self._transfers(scheduler_outputs, batches)
         outputs = []
         for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
@@ -100,6 +103,13 @@ class SimExecutor(Executor):
             outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy,
                                              kv_connector_output=connector[d]))
         return outputs
+
+    def _spread_draw(self) -> float:
+        """One of the spread's quantiles, each as likely (1 without a spread)."""
+        self._steps += 1
+        if not self._spread:
+            return 1.0
+        return self._spread[zlib.crc32(f"spread/{self._seed}/{self._steps}".encode()) % len(self._spread)]
 
     def _transfers(self, scheduler_outputs: list[SchedulerOutput], batches: list) -> list:
         """The connector workers' part of the step: start its orders, and report per DP rank what

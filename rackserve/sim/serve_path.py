@@ -17,7 +17,11 @@ detokenizer). The first level's TTFT (one request at a time: its prompt's chunks
 gives `serve_slowdown`, the factor of steps with a prompt chunk: TTFT = the front path (measured
 apart, bench/front_path.py, passed in) + slowdown x (the prompt's chunks) + a a chunk. A per-sequence
 term is not fitted: over closed-loop levels the decode step grows with c as c does, so it and d
-cannot be told apart. This file owns that measurement; it never runs anything.
+cannot be told apart. At one lane every gap is one decode step of one sequence of about the same
+context (random: 1,024 + 128 tokens), so the gaps over their median are how a served step's time
+spreads around what its shape costs (`serve_step_spread`: the host's other tenants, the cores shared
+with the serving threads; a quiet traced run put none of it in the garbage collector or in the
+handoff to the client). This file owns that measurement; it never runs anything.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from rackserve.sim.cost import CostModel, SeqWork
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import ModelSpec
 
+SPREAD_QUANTILES = 20   # one per twentieth of the steps: enough for a P90 of a few requests' steps
 CHUNK = 512         # rackserve serve's --max-num-batched-tokens default: a prompt's chunk at concurrency 1
 
 
@@ -52,6 +57,19 @@ def _level(run: dict, model: CostModel) -> dict:
     return {"concurrency": c, "median_chunk_gap_s": gap, "itl_p50_s": s["itl"]["p50"], "model_step_s": step,
             "context": prompt + output / 2, "prompt_tokens": prompt, "ttft_p50_s": s["ttft"]["p50"],
             "model_prefill_s": prefill, "prefill_steps": len(chunks)}
+
+
+def step_spread(run: dict, quantiles: int = SPREAD_QUANTILES) -> list[float]:
+    """A one-lane level's chunk gaps over their median: the midpoint quantile of each of
+    `quantiles` equal shares of them (the first gap of a request, after its prompt, is a decode too)."""
+    if run["concurrency"] != 1:
+        raise ValueError("the step spread is measured at one lane (every gap one decode step)")
+    gaps = sorted(b - a for r in run["requests"] if r["kind"] != "warmup" and r.get("error") is None
+                  for a, b in zip(r["chunk_times"], r["chunk_times"][1:]))
+    if len(gaps) < quantiles:
+        raise ValueError(f"{len(gaps)} chunk gaps at one lane: too few to measure the step spread")
+    median = statistics.median(gaps)
+    return [gaps[int((i + 0.5) / quantiles * len(gaps))] / median for i in range(quantiles)]
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
@@ -82,12 +100,15 @@ def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware, front: tuple
     decode_slowdown, a = _fit(points)
     first = min(points, key=lambda p: p["concurrency"])
     slowdown = None     # no level of one request at a time: no prefill alone to measure
+    spread: list[float] = []
     if first["concurrency"] == 1:
+        spread = step_spread(min(result["runs"], key=lambda r: r["concurrency"]))
         front_s = front[0] + front[1] * first["prompt_tokens"]
         slowdown = (first["ttft_p50_s"] - front_s - first["prefill_steps"] * a) / first["model_prefill_s"]
     for p in points:
         p["fitted_gap_s"] = decode_slowdown * p["model_step_s"] + a
-    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "points": points,
+    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "spread": spread,
+            "points": points,
             "front": list(front), "command": result.get("command"), "load": result.get("load_average")}
 
 
@@ -108,7 +129,10 @@ def with_serving_terms(hw: Hardware, spec: ModelSpec, serve_file: str | None,
         serve = measure_serve_path(json.load(f), spec, hw, front)
     serve["file"] = os.path.basename(serve_file)
     hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=0.0,
-                             serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"])
+                             serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"],
+                             serve_step_spread=tuple(serve["spread"]))
+    spread = serve["spread"] or [1.0]
     print(f"serving path: steps with a prompt chunk x {hw.serve_slowdown:.2f}, steps of decodes x "
-          f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step")
+          f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step; a step's time over "
+          f"the median {spread[0]:.2f}-{spread[-1]:.2f} (P90 {spread[int(0.9 * len(spread))]:.2f})")
     return hw, serve
