@@ -192,7 +192,7 @@ def test_serving_path_is_measured_from_a_random_workload_run():
         step = 0.9 * model.step([[SeqWork(1, 1024 + 64)] * c]).seconds + 0.002
         gaps = [step] * 100 + [2.0] * 10    # ten steps stretched by prompt chunks
         chunks = [sum(gaps[:i]) for i in range(len(gaps) + 1)]
-        requests = [{"kind": "main", "error": None, "prompt_tokens": 1024, "output_tokens": 128,
+        requests = [{"kind": "main", "error": None, "start": 0.0, "prompt_tokens": 1024, "output_tokens": 128,
                      "chunk_times": chunks}] * 3
         ttft = front[0] + front[1] * 1024 + 1.3 * prefill + 2 * 0.002
         runs.append({"concurrency": c, "summary": {"itl": {"p50": 0.0}, "ttft": {"p50": ttft}}, "requests": requests})
@@ -210,8 +210,9 @@ def test_serving_path_is_measured_from_a_random_workload_run():
 
 def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_step(tiny_llama_dir):
     """At one lane every chunk gap is one decode step: the spread is the gaps over their median, one
-    quantile per twentieth of them; a simulated step's time is its cost times one of them, each
-    drawn about as often, the same draws on a rerun; a device without a spread prices the cost."""
+    quantile per twentieth of them, and a draw holds for half the mean run of gaps on one side of the
+    median; a simulated step's time is its cost times one of them, each drawn about as often, held
+    that many steps, the same draws on a rerun; a device without a spread prices the cost."""
     import dataclasses
     import statistics
 
@@ -221,10 +222,13 @@ def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_s
     from rackserve.sim.serve_path import step_spread
     gaps = [0.010] * 60 + [0.012] * 20 + [0.020] * 20      # a tenth of the steps twice the median
     chunks = [sum(gaps[:i]) for i in range(len(gaps) + 1)]
-    run = {"concurrency": 1, "requests": [{"kind": "main", "error": None, "chunk_times": chunks},
-                                          {"kind": "warmup", "error": None, "chunk_times": [0.0, 5.0]}]}
-    spread = step_spread(run)
-    assert spread == pytest.approx([1.0] * 12 + [1.2] * 4 + [2.0] * 4)
+    run = {"concurrency": 1, "requests": [{"kind": "main", "error": None, "start": 0.0, "chunk_times": chunks},
+                                          {"kind": "warmup", "error": None, "start": 0.0, "chunk_times": [0.0, 5.0]}]}
+    spread, hold = step_spread(run)
+    assert spread == pytest.approx([1.0] * 12 + [1.2] * 4 + [2.0] * 4) and hold == 25   # two runs of 60 and 40
+    alternating = [0.010, 0.020] * 50
+    chunks = [sum(alternating[:i]) for i in range(len(alternating) + 1)]
+    assert step_spread({"concurrency": 1, "requests": [{"kind": "main", "start": 0.0, "chunk_times": chunks}]})[1] == 1
     with pytest.raises(ValueError, match="one lane"):
         step_spread({**run, "concurrency": 2})
 
@@ -249,6 +253,9 @@ def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_s
     drawn = draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
     assert drawn == draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
     assert statistics.median(drawn) == pytest.approx(1.0) and sum(d == 2.0 for d in drawn) / 2000 == pytest.approx(0.2, abs=0.03)
+    held = draws(dataclasses.replace(plain, serve_step_spread=tuple(spread), serve_spread_steps=4))
+    assert all(len(set(held[i:i + 4])) == 1 for i in range(3, 1996, 4))   # steps 4k..4k+3 share a draw
+    assert sum(d == 2.0 for d in held) / 2000 == pytest.approx(0.2, abs=0.06)
     assert set(draws(plain)) == {1.0}
 
 

@@ -3,8 +3,8 @@ ones do (SchedulerOutput in, ModelRunnerOutput out, one per DP rank in lockstep)
 it keeps each request's progress from the SchedulerOutputs, prices the step with a cost model, and
 samples stand-in tokens (a hash of the request and position: distinct requests never share output
 blocks). `last_step_seconds` is the virtual time the step took: its cost, times a draw from the
-device's measured spread of served steps (`serve_step_spread`, a CPU's; hashed from the step's
-number, so reruns agree); whoever drives the engine advances its clock by it.
+device's measured spread of served steps (`serve_step_spread`, a CPU's; each draw held for
+`serve_spread_steps` steps, hashed from the step's number, so reruns agree); whoever drives the engine advances its clock by it.
 
 It sizes the KV cache from --kv-cache-memory and the model's KV bytes per token, as a GPU worker
 would. It must never sleep, read a clock nor import torch.
@@ -70,7 +70,9 @@ class SimExecutor(Executor):
         self._reqs: list[dict[str, _ReqState]] = [{} for _ in range(self._dp)]
         self.last_step_seconds = 0.0
         self.last_cost: StepCost | None = None
-        self._spread: tuple[float, ...] = tuple(getattr(getattr(self.pricer, "hw", None), "serve_step_spread", ()))
+        hw = getattr(self.pricer, "hw", None)
+        self._spread: tuple[float, ...] = tuple(getattr(hw, "serve_step_spread", ()))
+        self._spread_steps: int = getattr(hw, "serve_spread_steps", 1)
         self._steps, self._seed = 0, config.model.seed
 
     @property
@@ -109,7 +111,8 @@ class SimExecutor(Executor):
         self._steps += 1
         if not self._spread:
             return 1.0
-        return self._spread[zlib.crc32(f"spread/{self._seed}/{self._steps}".encode()) % len(self._spread)]
+        draw = self._steps // self._spread_steps
+        return self._spread[zlib.crc32(f"spread/{self._seed}/{draw}".encode()) % len(self._spread)]
 
     def _transfers(self, scheduler_outputs: list[SchedulerOutput], batches: list) -> list:
         """The connector workers' part of the step: start its orders, and report per DP rank what

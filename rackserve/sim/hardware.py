@@ -43,8 +43,10 @@ class Hardware:
     serve_prompt_token_overhead: float = 0.0
     # How a served step's time spreads around what its shape costs (the host's other tenants, the
     # cores shared with the serving path): quantiles of a step's time over the median, one per equal
-    # share of steps, measured by sim/serve_path.py; each simulated step draws one. Empty: none (GPUs).
+    # share of steps, measured by sim/serve_path.py; a draw holds `serve_spread_steps` steps in a row
+    # (slow steps come in runs). Empty: none (GPUs).
     serve_step_spread: tuple[float, ...] = ()
+    serve_spread_steps: int = 1
     # The attention backend pads a step's decodes to the longest one's context (model/
     # torch_attention.py on a CPU: one gathered, masked batch), so each decode costs the longest
     # context; GPU paged kernels read each sequence's own.

@@ -20,8 +20,8 @@ term is not fitted: over closed-loop levels the decode step grows with c as c do
 cannot be told apart. At one lane every gap is one decode step of one sequence of about the same
 context (random: 1,024 + 128 tokens), so the gaps over their median are how a served step's time
 spreads around what its shape costs (`serve_step_spread`: the host's other tenants, the cores shared
-with the serving threads; a quiet traced run put none of it in the garbage collector or in the
-handoff to the client). This file owns that measurement; it never runs anything.
+with the serving threads; a traced run put none of it in the garbage collector or in the handoff to
+the client), and slow steps come in runs (`serve_spread_steps`: how long a draw holds). This file owns that measurement; it never runs anything.
 """
 from __future__ import annotations
 
@@ -59,17 +59,24 @@ def _level(run: dict, model: CostModel) -> dict:
             "model_prefill_s": prefill, "prefill_steps": len(chunks)}
 
 
-def step_spread(run: dict, quantiles: int = SPREAD_QUANTILES) -> list[float]:
+def step_spread(run: dict, quantiles: int = SPREAD_QUANTILES) -> tuple[list[float], int]:
     """A one-lane level's chunk gaps over their median: the midpoint quantile of each of
-    `quantiles` equal shares of them (the first gap of a request, after its prompt, is a decode too)."""
+    `quantiles` equal shares of them (the first gap of a request, after its prompt, is a decode too);
+    and for how many steps in a row a draw holds: half the mean run of consecutive gaps on one side
+    of the median (independent steps run 2 on average; a burst of another tenant's work, longer)."""
     if run["concurrency"] != 1:
         raise ValueError("the step spread is measured at one lane (every gap one decode step)")
-    gaps = sorted(b - a for r in run["requests"] if r["kind"] != "warmup" and r.get("error") is None
-                  for a, b in zip(r["chunk_times"], r["chunk_times"][1:]))
-    if len(gaps) < quantiles:
-        raise ValueError(f"{len(gaps)} chunk gaps at one lane: too few to measure the step spread")
+    requests = sorted((r for r in run["requests"] if r["kind"] != "warmup" and r.get("error") is None),
+                      key=lambda r: r["start"])
+    in_order = [b - a for r in requests for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    if len(in_order) < quantiles:
+        raise ValueError(f"{len(in_order)} chunk gaps at one lane: too few to measure the step spread")
+    gaps = sorted(in_order)
     median = statistics.median(gaps)
-    return [gaps[int((i + 0.5) / quantiles * len(gaps))] / median for i in range(quantiles)]
+    sides = [g > median for g in in_order]
+    runs = 1 + sum(a != b for a, b in zip(sides, sides[1:]))
+    return [gaps[int((i + 0.5) / quantiles * len(gaps))] / median for i in range(quantiles)], \
+        max(1, round(len(sides) / runs / 2))
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
@@ -101,13 +108,14 @@ def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware, front: tuple
     first = min(points, key=lambda p: p["concurrency"])
     slowdown = None     # no level of one request at a time: no prefill alone to measure
     spread: list[float] = []
+    hold = 1
     if first["concurrency"] == 1:
-        spread = step_spread(min(result["runs"], key=lambda r: r["concurrency"]))
+        spread, hold = step_spread(min(result["runs"], key=lambda r: r["concurrency"]))
         front_s = front[0] + front[1] * first["prompt_tokens"]
         slowdown = (first["ttft_p50_s"] - front_s - first["prefill_steps"] * a) / first["model_prefill_s"]
     for p in points:
         p["fitted_gap_s"] = decode_slowdown * p["model_step_s"] + a
-    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "spread": spread,
+    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "spread": spread, "spread_steps": hold,
             "points": points,
             "front": list(front), "command": result.get("command"), "load": result.get("load_average")}
 
@@ -130,9 +138,9 @@ def with_serving_terms(hw: Hardware, spec: ModelSpec, serve_file: str | None,
     serve["file"] = os.path.basename(serve_file)
     hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=0.0,
                              serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"],
-                             serve_step_spread=tuple(serve["spread"]))
+                             serve_step_spread=tuple(serve["spread"]), serve_spread_steps=serve["spread_steps"])
     spread = serve["spread"] or [1.0]
     print(f"serving path: steps with a prompt chunk x {hw.serve_slowdown:.2f}, steps of decodes x "
           f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step; a step's time over "
-          f"the median {spread[0]:.2f}-{spread[-1]:.2f} (P90 {spread[int(0.9 * len(spread))]:.2f})")
+          f"the median {spread[0]:.2f}-{spread[-1]:.2f} (P90 {spread[int(0.9 * len(spread))]:.2f}), a draw held {serve['spread_steps']} steps")
     return hw, serve
