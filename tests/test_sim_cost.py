@@ -209,10 +209,11 @@ def test_serving_path_is_measured_from_a_random_workload_run():
 
 
 def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_step(tiny_llama_dir):
-    """At one lane every chunk gap is one decode step: the spread is the gaps over their median, one
-    quantile per twentieth of them, and a draw holds for half the mean run of gaps on one side of the
-    median; a simulated step's time is its cost times one of them, each drawn about as often, held
-    that many steps, the same draws on a rerun; a device without a spread prices the cost."""
+    """At one lane every chunk gap is one decode step: the spread is each gap over its request's
+    median (one quantile per twentieth of them) and each request's median over the median request's,
+    held as long as a request decoded; a simulated step's time is its cost times a draw of the first
+    each step and of the second each period, each value about as often, the same draws on a rerun;
+    a device without a spread prices the cost."""
     import dataclasses
     import statistics
 
@@ -220,20 +221,21 @@ def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_s
     from rackserve.core.outputs import SchedulerOutput
     from rackserve.sim.executor import SimExecutor
     from rackserve.sim.serve_path import step_spread
-    gaps = [0.010] * 60 + [0.012] * 20 + [0.020] * 20      # a tenth of the steps twice the median
-    chunks = [sum(gaps[:i]) for i in range(len(gaps) + 1)]
-    run = {"concurrency": 1, "requests": [{"kind": "main", "error": None, "start": 0.0, "chunk_times": chunks},
-                                          {"kind": "warmup", "error": None, "start": 0.0, "chunk_times": [0.0, 5.0]}]}
-    spread, hold = step_spread(run)
-    assert spread == pytest.approx([1.0] * 12 + [1.2] * 4 + [2.0] * 4) and hold == 25   # two runs of 60 and 40
-    alternating = [0.010, 0.020] * 50
-    chunks = [sum(alternating[:i]) for i in range(len(alternating) + 1)]
-    assert step_spread({"concurrency": 1, "requests": [{"kind": "main", "start": 0.0, "chunk_times": chunks}]})[1] == 1
+
+    def request(gaps: list[float], kind: str = "main") -> dict:
+        return {"kind": kind, "error": None, "chunk_times": [sum(gaps[:i]) for i in range(len(gaps) + 1)]}
+    steady = [0.010] * 60 + [0.012] * 20 + [0.020] * 20      # a tenth of the steps twice the median
+    run = {"concurrency": 1, "requests": [request(steady), request(steady), request([2 * g for g in steady]),
+                                          request([0.001, 5.0], "warmup")]}
+    spread = step_spread(run)
+    assert spread["step"] == pytest.approx([1.0] * 12 + [1.2] * 4 + [2.0] * 4)
+    assert spread["slow"] == pytest.approx([1.0, 1.0, 2.0])        # one request slowed whole
+    assert spread["slow_seconds"] == pytest.approx(4 / 3 * sum(steady))
     with pytest.raises(ValueError, match="one lane"):
         step_spread({**run, "concurrency": 2})
 
     config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
-    plain = dataclasses.replace(load_hardware("cpu"), serve_step_spread=())
+    plain = dataclasses.replace(load_hardware("cpu"), serve_step_spread=(), serve_slow_spread=())
 
     class Fixed:   # a pricer whose every step costs 10 ms on `hw`
         def __init__(self, hw):
@@ -250,12 +252,15 @@ def test_a_served_steps_spread_is_measured_at_one_lane_and_drawn_per_simulated_s
             times.append(executor.last_step_seconds / 0.01)
         return times
 
-    drawn = draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
-    assert drawn == draws(dataclasses.replace(plain, serve_step_spread=tuple(spread)))
+    fast = dataclasses.replace(plain, serve_step_spread=tuple(spread["step"]))
+    drawn = draws(fast)
+    assert drawn == draws(fast)
     assert statistics.median(drawn) == pytest.approx(1.0) and sum(d == 2.0 for d in drawn) / 2000 == pytest.approx(0.2, abs=0.03)
-    held = draws(dataclasses.replace(plain, serve_step_spread=tuple(spread), serve_spread_steps=4))
-    assert all(len(set(held[i:i + 4])) == 1 for i in range(3, 1996, 4))   # steps 4k..4k+3 share a draw
-    assert sum(d == 2.0 for d in held) / 2000 == pytest.approx(0.2, abs=0.06)
+    slow = draws(dataclasses.replace(plain, serve_slow_spread=(1.0, 3.0), serve_slow_seconds=0.1))
+    # Half the periods slow: half the time stepped (slow steps are fewer a period, each 3x longer).
+    assert set(slow) == {1.0, 3.0} and sum(d for d in slow if d == 3.0) / sum(slow) == pytest.approx(0.5, abs=0.15)
+    changes = [i for i in range(1, 2000) if slow[i] != slow[i - 1]]
+    assert changes and min(b - a for a, b in zip(changes, changes[1:])) >= 3   # held for 0.1 s of steps
     assert set(draws(plain)) == {1.0}
 
 

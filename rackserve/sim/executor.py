@@ -2,9 +2,10 @@
 ones do (SchedulerOutput in, ModelRunnerOutput out, one per DP rank in lockstep) but runs no model:
 it keeps each request's progress from the SchedulerOutputs, prices the step with a cost model, and
 samples stand-in tokens (a hash of the request and position: distinct requests never share output
-blocks). `last_step_seconds` is the virtual time the step took: its cost, times a draw from the
-device's measured spread of served steps (`serve_step_spread`, a CPU's; each draw held for
-`serve_spread_steps` steps, hashed from the step's number, so reruns agree); whoever drives the engine advances its clock by it.
+blocks). `last_step_seconds` is the virtual time the step took: its cost, times the device's
+measured spread of served steps (a CPU's: a draw each step from `serve_step_spread`, times one every
+`serve_slow_seconds` of steps from `serve_slow_spread`; hashed from the step's number and the time
+stepped, so reruns agree); whoever drives the engine advances its clock by it.
 
 It sizes the KV cache from --kv-cache-memory and the model's KV bytes per token, as a GPU worker
 would. It must never sleep, read a clock nor import torch.
@@ -72,7 +73,9 @@ class SimExecutor(Executor):
         self.last_cost: StepCost | None = None
         hw = getattr(self.pricer, "hw", None)
         self._spread: tuple[float, ...] = tuple(getattr(hw, "serve_step_spread", ()))
-        self._spread_steps: int = getattr(hw, "serve_spread_steps", 1)
+        self._slow: tuple[float, ...] = tuple(getattr(hw, "serve_slow_spread", ()))
+        self._slow_seconds: float = getattr(hw, "serve_slow_seconds", 0.0)
+        self._stepped = 0.0      # virtual seconds of steps so far: the slow draw's clock
         self._steps, self._seed = 0, config.model.seed
 
     @property
@@ -88,6 +91,7 @@ class SimExecutor(Executor):
         batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
         cost = self.pricer.step([[w for _, w, _ in batch if w.new_tokens] for batch in batches])
         self.last_cost, self.last_step_seconds = cost, cost.seconds * self._spread_draw()
+        self._stepped += self.last_step_seconds
         connector = self._transfers(scheduler_outputs, batches)
         outputs = []
         for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
@@ -107,12 +111,15 @@ class SimExecutor(Executor):
         return outputs
 
     def _spread_draw(self) -> float:
-        """One of the spread's quantiles, each as likely (1 without a spread)."""
+        """This step's draw from each part of the spread, each quantile as likely (1 without one)."""
         self._steps += 1
-        if not self._spread:
-            return 1.0
-        draw = self._steps // self._spread_steps
-        return self._spread[zlib.crc32(f"spread/{self._seed}/{draw}".encode()) % len(self._spread)]
+        factor = 1.0
+        if self._spread:
+            factor *= self._spread[zlib.crc32(f"spread/{self._seed}/{self._steps}".encode()) % len(self._spread)]
+        if self._slow and self._slow_seconds > 0:
+            period = int(self._stepped // self._slow_seconds)
+            factor *= self._slow[zlib.crc32(f"slow/{self._seed}/{period}".encode()) % len(self._slow)]
+        return factor
 
     def _transfers(self, scheduler_outputs: list[SchedulerOutput], batches: list) -> list:
         """The connector workers' part of the step: start its orders, and report per DP rank what

@@ -42,11 +42,12 @@ class Hardware:
     serve_request_overhead: float = 0.0
     serve_prompt_token_overhead: float = 0.0
     # How a served step's time spreads around what its shape costs (the host's other tenants, the
-    # cores shared with the serving path): quantiles of a step's time over the median, one per equal
-    # share of steps, measured by sim/serve_path.py; a draw holds `serve_spread_steps` steps in a row
-    # (slow steps come in runs). Empty: none (GPUs).
+    # cores shared with the serving path), measured by sim/serve_path.py: quantiles of a step over its
+    # request's median, one per equal share of steps, drawn each step; and each request's median over
+    # the median request's, drawn afresh every `serve_slow_seconds` of steps. Empty: none (GPUs).
     serve_step_spread: tuple[float, ...] = ()
-    serve_spread_steps: int = 1
+    serve_slow_spread: tuple[float, ...] = ()
+    serve_slow_seconds: float = 0.0
     # The attention backend pads a step's decodes to the longest one's context (model/
     # torch_attention.py on a CPU: one gathered, masked batch), so each decode costs the longest
     # context; GPU paged kernels read each sequence's own.

@@ -18,10 +18,13 @@ gives `serve_slowdown`, the factor of steps with a prompt chunk: TTFT = the fron
 apart, bench/front_path.py, passed in) + slowdown x (the prompt's chunks) + a a chunk. A per-sequence
 term is not fitted: over closed-loop levels the decode step grows with c as c does, so it and d
 cannot be told apart. At one lane every gap is one decode step of one sequence of about the same
-context (random: 1,024 + 128 tokens), so the gaps over their median are how a served step's time
-spreads around what its shape costs (`serve_step_spread`: the host's other tenants, the cores shared
-with the serving threads; a traced run put none of it in the garbage collector or in the handoff to
-the client), and slow steps come in runs (`serve_spread_steps`: how long a draw holds). This file owns that measurement; it never runs anything.
+context (random: 1,024 + 128 tokens), so the gaps say how a served step's time spreads around what
+its shape costs (the host's other tenants, the cores shared with the serving threads; a traced run
+put none of it in the garbage collector or in the handoff to the client), in two parts: from step to
+step (`serve_step_spread`: the gaps over their request's median), and from request to request
+(`serve_slow_spread`: each request's median over the median request's), which holds for as long as
+a request decoded (`serve_slow_seconds`): another tenant's burst slows a reply whole. This file owns
+that measurement; it never runs anything.
 """
 from __future__ import annotations
 
@@ -59,24 +62,23 @@ def _level(run: dict, model: CostModel) -> dict:
             "model_prefill_s": prefill, "prefill_steps": len(chunks)}
 
 
-def step_spread(run: dict, quantiles: int = SPREAD_QUANTILES) -> tuple[list[float], int]:
-    """A one-lane level's chunk gaps over their median: the midpoint quantile of each of
-    `quantiles` equal shares of them (the first gap of a request, after its prompt, is a decode too);
-    and for how many steps in a row a draw holds: half the mean run of consecutive gaps on one side
-    of the median (independent steps run 2 on average; a burst of another tenant's work, longer)."""
+def step_spread(run: dict, quantiles: int = SPREAD_QUANTILES) -> dict:
+    """A one-lane level's spread of decode steps: "step", the gaps over their request's median (the
+    midpoint quantile of each of `quantiles` equal shares); "slow", each request's median gap over the
+    median of those, sorted; "slow_seconds", how long a request decoded, on average."""
     if run["concurrency"] != 1:
         raise ValueError("the step spread is measured at one lane (every gap one decode step)")
-    requests = sorted((r for r in run["requests"] if r["kind"] != "warmup" and r.get("error") is None),
-                      key=lambda r: r["start"])
-    in_order = [b - a for r in requests for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
-    if len(in_order) < quantiles:
-        raise ValueError(f"{len(in_order)} chunk gaps at one lane: too few to measure the step spread")
-    gaps = sorted(in_order)
-    median = statistics.median(gaps)
-    sides = [g > median for g in in_order]
-    runs = 1 + sum(a != b for a, b in zip(sides, sides[1:]))
-    return [gaps[int((i + 0.5) / quantiles * len(gaps))] / median for i in range(quantiles)], \
-        max(1, round(len(sides) / runs / 2))
+    per_request = [[b - a for a, b in zip(r["chunk_times"], r["chunk_times"][1:])] for r in run["requests"]
+                   if r["kind"] != "warmup" and r.get("error") is None and len(r["chunk_times"]) > 2]
+    gaps = sorted(g / statistics.median(own) for own in per_request for g in own)
+    if len(gaps) < quantiles or len(per_request) < 2:
+        raise ValueError(f"{len(gaps)} chunk gaps in {len(per_request)} requests at one lane: too few to "
+                         "measure the step spread")
+    medians = [statistics.median(own) for own in per_request]
+    middle = statistics.median(medians)
+    return {"step": [gaps[int((i + 0.5) / quantiles * len(gaps))] for i in range(quantiles)],
+            "slow": sorted(m / middle for m in medians),
+            "slow_seconds": statistics.mean(sum(own) for own in per_request)}
 
 
 def _fit(points: list[dict]) -> tuple[float, float]:
@@ -107,15 +109,14 @@ def measure_serve_path(result: dict, spec: ModelSpec, hw: Hardware, front: tuple
     decode_slowdown, a = _fit(points)
     first = min(points, key=lambda p: p["concurrency"])
     slowdown = None     # no level of one request at a time: no prefill alone to measure
-    spread: list[float] = []
-    hold = 1
+    spread: dict = {"step": [], "slow": [], "slow_seconds": 0.0}
     if first["concurrency"] == 1:
-        spread, hold = step_spread(min(result["runs"], key=lambda r: r["concurrency"]))
+        spread = step_spread(min(result["runs"], key=lambda r: r["concurrency"]))
         front_s = front[0] + front[1] * first["prompt_tokens"]
         slowdown = (first["ttft_p50_s"] - front_s - first["prefill_steps"] * a) / first["model_prefill_s"]
     for p in points:
         p["fitted_gap_s"] = decode_slowdown * p["model_step_s"] + a
-    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "spread": spread, "spread_steps": hold,
+    return {"step_seconds": a, "decode_slowdown": decode_slowdown, "slowdown": slowdown, "spread": spread,
             "points": points,
             "front": list(front), "command": result.get("command"), "load": result.get("load_average")}
 
@@ -138,9 +139,12 @@ def with_serving_terms(hw: Hardware, spec: ModelSpec, serve_file: str | None,
     serve["file"] = os.path.basename(serve_file)
     hw = dataclasses.replace(hw, serve_step_overhead=serve["step_seconds"], serve_seq_overhead=0.0,
                              serve_slowdown=serve["slowdown"] or 1.0, serve_decode_slowdown=serve["decode_slowdown"],
-                             serve_step_spread=tuple(serve["spread"]), serve_spread_steps=serve["spread_steps"])
-    spread = serve["spread"] or [1.0]
+                             serve_step_spread=tuple(serve["spread"]["step"]),
+                             serve_slow_spread=tuple(serve["spread"]["slow"]),
+                             serve_slow_seconds=serve["spread"]["slow_seconds"])
+    step, slow = serve["spread"]["step"] or [1.0], serve["spread"]["slow"] or [1.0]
     print(f"serving path: steps with a prompt chunk x {hw.serve_slowdown:.2f}, steps of decodes x "
-          f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step; a step's time over "
-          f"the median {spread[0]:.2f}-{spread[-1]:.2f} (P90 {spread[int(0.9 * len(spread))]:.2f}), a draw held {serve['spread_steps']} steps")
+          f"{serve['decode_slowdown']:.2f}, + {serve['step_seconds'] * 1e3:.2f} ms a step; a step over its request's "
+          f"median {step[0]:.2f}-{step[-1]:.2f}, a request's median over the median request's {slow[0]:.2f}-"
+          f"{slow[-1]:.2f}, held {serve['spread']['slow_seconds']:.2f} s")
     return hw, serve
