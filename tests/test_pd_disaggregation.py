@@ -8,6 +8,8 @@ runs out; a prefiller killed while or before the decoder pulls leaves requests t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric_totals, start_command, start_server, stop_all
+from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -46,14 +48,15 @@ def cluster(tmp_path_factory):
             "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", "4"]
     procs = []
     try:
-        urls = {}
+        urls, pids = {}, {}
         for name, extra in (("prefill", ["--kv-transfer-config", _kv_config("kv_producer")]),
                             ("decode", ["--kv-transfer-config", _kv_config("kv_consumer")])):
             proc, urls[name] = start_server(base + extra, root / f"{name}.log")
             procs.append(proc)
+            pids[name] = proc.pid
         proc, urls["proxy"] = _start_proxy(urls["prefill"], urls["decode"], root / "proxy.log")
         procs.append(proc)
-        yield {**urls, "base": base, "root": root}
+        yield {**urls, "base": base, "root": root, "pids": pids}
     finally:
         stop_all(procs)
 
@@ -189,3 +192,33 @@ def test_a_decoder_killed_mid_stream_ends_the_proxys_stream_with_an_error_event(
         _wait_kv_free(cluster["prefill"], LEASE_S + 5)
     finally:
         stop_all(procs)
+
+
+def _finished(url: str, reason: str) -> float:
+    return scrape_metrics(url).get(f'rackserve:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}', 0.0)
+
+
+@pytest.mark.parametrize("hop,stream", [("prefill", True), ("decode", False)])
+def test_a_client_that_leaves_during_a_hop_aborts_it_on_that_instance(cluster, hop, stream):
+    """The client hangs up while the proxy waits on a hop (that instance is SIGSTOPped, so the hop
+    is in flight whatever the machine's speed). Before: the proxy went on, so the prefiller
+    prefilled and held the blocks for a decoder, and the decoder then generated, all for nobody.
+    Now the proxy closes that hop's connection, so the instance aborts the request, and the
+    other hop never starts."""
+    stopped, other = cluster["pids"][hop], "decode" if hop == "prefill" else "prefill"
+    aborts, others = _finished(cluster[hop], "abort"), metric_totals(cluster[other]).get("rackserve:request_success_total", 0.0)
+    body = {"model": MODEL, "prompt": list(range(60, 90)), "max_tokens": 50, "ignore_eos": True, "stream": stream}
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{cluster['proxy']}/v1/completions", json=body, timeout=1.0)
+        time.sleep(0.5)   # the proxy hears the hang-up
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while _finished(cluster[hop], "abort") == aborts:
+        assert time.monotonic() < deadline, f"the {hop} instance never aborted the request"
+        time.sleep(0.05)
+    _wait_kv_free(cluster[hop], LEASE_S)
+    if hop == "prefill":   # the decode hop never started
+        assert metric_totals(cluster[other]).get("rackserve:request_success_total", 0.0) == others

@@ -6,7 +6,6 @@ This file never routes and never talks to an instance about a request (server.py
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -14,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from rackserve.router.router import Instance, Router
-from rackserve.router.server import CLIENT_CLOSED_REQUEST, RouterFront, error_response
-from rackserve.serve.serving_engine import OpenAIError, wait_for_disconnect
+from rackserve.router.server import RouterFront, error_response
+from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, unless_client_leaves
 
 
 def build_router_app(front: RouterFront) -> FastAPI:
@@ -25,19 +24,11 @@ def build_router_app(front: RouterFront) -> FastAPI:
     async def respond(raw: Request, path: str) -> Response:
         """The forwarded answer, unless the client leaves first: then the forward is cancelled,
         which closes the connection to the instance, which aborts the request there."""
-        task = asyncio.ensure_future(front.forward(path, await raw.body()))
-        watcher = asyncio.ensure_future(wait_for_disconnect(raw))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.wait({task})
-        if task.cancelled():
+        response = await unless_client_leaves(raw, front.forward(path, await raw.body()))
+        if response is None:
             router.metrics.client_disconnects.inc()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return task.result()
+        return response
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

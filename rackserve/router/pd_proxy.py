@@ -2,7 +2,8 @@
 to a prefiller with max_tokens=1 and `kv_transfer_params: {"do_remote_decode": true}`, then the
 same request to a decoder with the prefiller's returned kv_transfer_params, and relays the
 decoder's answer (streamed or whole; its usage counts the whole request, since the decoder holds
-the whole prompt). Prefillers and decoders are each picked round-robin; `rackserve router
+the whole prompt). A client that hangs up ends the hop in progress (the instance then aborts the
+request) and the next hop never starts. Prefillers and decoders are each picked round-robin; `rackserve router
 --prefill-worker ... --decode-worker ...` (router/disagg.py) runs the same flow with KV-aware
 choices and llm-d's decider, reusing `prefill_body`.
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from rackserve.router.body import parse_body
 from rackserve.serve.cli import register_subcommand
-from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
+from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, SSE_DONE, OpenAIError, unless_client_leaves
 
 PREFILL_TIMEOUT_S = 600.0
 
@@ -56,6 +57,13 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
             body = parse_body(await request.body())
         except OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        # A client that leaves during a hop cancels it, which closes the connection to that
+        # instance, which aborts the request there: no prefill (or decode) for nobody, and no
+        # blocks held for a decoder the proxy will never call.
+        response = await unless_client_leaves(request, _answer(path, body))
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if response is None else response
+
+    async def _answer(path: str, body: dict[str, Any]) -> Response:
         try:
             return await _two_hops(path, body)
         except (httpx.HTTPError, ValueError) as e:   # an instance down, too slow, or its answer not JSON
@@ -72,8 +80,10 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
             return Response(decode.content, decode.status_code, media_type="application/json")
         upstream = await client.send(client.build_request("POST", url, json=decode_body), stream=True)
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
             return Response(content, upstream.status_code, media_type="application/json")
 
         async def relay():

@@ -34,7 +34,6 @@ from rackserve.router.router import Instance, Route, Router
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
 logger = logging.getLogger(__name__)
-CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first", as serve/ answers
 
 
 class RouterFront:

@@ -30,12 +30,11 @@ from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rackserve.serve.serving_chat import OpenAIServingChat
 from rackserve.serve.serving_completion import OpenAIServingCompletion
-from rackserve.serve.serving_engine import OpenAIError, wait_for_disconnect
+from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, wait_for_disconnect
 from rackserve.serve.serving_tokenization import (DetokenizeRequest, OpenAIServingTokenization,
                                                   TokenizeRequest)
 
 logger = logging.getLogger(__name__)
-CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first"
 RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 
 

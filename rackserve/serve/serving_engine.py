@@ -14,7 +14,7 @@ import json
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from rackserve.engine.tokenizer import Tokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED_REQUEST = 499             # nginx's status for "the client went away first"
+R = TypeVar("R")
 MIN_LOGPROB = -9999.0                   # JSON has no -inf; OpenAI clients get this floor instead
 
 
@@ -175,6 +177,22 @@ async def wait_for_disconnect(request: Request) -> None:
     """Returns once the client of a request whose body was already read goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[R]) -> R | None:
+    """`work`'s result, or None once the client of `request` (its body already read) goes away
+    first: then `work` is cancelled and awaited while it unwinds, so what it opened (a
+    connection to an instance, which then aborts the request there) is closed before this returns.
+    For fronts whose work never returns None (a Response)."""
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
 
 
 class OpenAIServing:
