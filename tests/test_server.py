@@ -235,6 +235,12 @@ BAD_REQUESTS = {   # name: (endpoint, body (a dict, or raw text), status, param)
     "logit_bias_outside_vocab": ("chat/completions", {**CHAT, "logit_bias": {str(VOCAB + 3): 10.0}}, 400, None),
     "logit_bias_key_not_an_id": ("chat/completions", {**CHAT, "logit_bias": {"hello": 10.0}}, 400, None),
     "echo": ("completions", {**COMPLETION, "echo": True}, 400, "echo"),
+    # vLLM's chat template controls: before, ignored as unknown fields (another prompt answered).
+    "chat_echo_with_logprobs": ("chat/completions", {**CHAT, "echo": True, "logprobs": True}, 400, "echo"),
+    "chat_continue_final_message": ("chat/completions", {**CHAT, "continue_final_message": True}, 400,
+                                    "continue_final_message"),
+    "chat_without_generation_prompt": ("chat/completions", {**CHAT, "add_generation_prompt": False}, 400,
+                                       "add_generation_prompt"),
 }
 
 

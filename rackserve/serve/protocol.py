@@ -167,9 +167,24 @@ class ChatCompletionRequest(SamplingRequest):
     # rackserve's extension: the messages already rendered and tokenized (the router sends them,
     # having tokenized to route); the chat template is then skipped.
     prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    # vLLM's chat template controls, declared only to be refused by name when they ask for other
+    # than the default (this server renders the template one way: a new assistant turn), since
+    # ignoring them would answer a different prompt than the one asked for.
+    echo: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
 
     def unsupported(self) -> str | None:
-        return "tools" if self.tools else super().unsupported()
+        if self.tools:
+            return "tools"
+        for name in ("echo", "continue_final_message", "chat_template", "chat_template_kwargs"):
+            if getattr(self, name) not in (None, False, {}):
+                return name
+        if self.add_generation_prompt not in (None, True):
+            return "add_generation_prompt"
+        return super().unsupported()
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
