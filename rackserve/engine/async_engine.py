@@ -111,7 +111,17 @@ class AsyncEngine:
         if self._stopping or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
 
-    def shutdown(self) -> None:
+    @property
+    def stepping(self) -> bool:
+        """Whether the engine thread still runs: after shutdown(), a step it could not wait for."""
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Fail every request in flight at once, let the step in progress end for up to `timeout`
+        s, then stop the executor (its workers, if any, are stopped: a step waiting on them ends).
+        A step still running after that is left (`stepping`): the process must then end without
+        finalizing (os._exit), since an interpreter that finalizes while a thread is inside torch
+        aborts (SIGABRT, "terminate called without an active exception")."""
         if not self._stopping:
             self._stopping = True
             self._wake.set()
@@ -120,7 +130,7 @@ class AsyncEngine:
             reason = EngineDeadError("the engine was shut down")
             for loop, stream in list(self._streams.values()):
                 _put(loop, stream, reason)
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
             self.engine.shutdown()
 
     # -- the engine thread --------------------------------------------------------------------
@@ -162,8 +172,11 @@ class AsyncEngine:
                     self._deliver(out.request_id, out, out.finished)
             reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:   # noqa: BLE001 - every caller must hear about it
-            self._error = e
-            reason = EngineDeadError(f"the engine failed: {e!r}")
+            if self._stopping:   # shutdown() stopped the executor under this step: not a failure
+                reason = EngineDeadError("the engine was shut down")
+            else:
+                self._error = e
+                reason = EngineDeadError(f"the engine failed: {e!r}")
         # Nobody will step again: fail what is in flight and what is still queued.
         for request_id in list(self._streams):
             self._deliver(request_id, reason, True)

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 import uvicorn
@@ -48,6 +49,7 @@ def run_server(args: argparse.Namespace) -> None:
         if kv_publisher is not None:
             kv_publisher.shutdown()
         raise
+    died = None
     try:
         app = build_app(engine, stat_logger, limits, args.api_key, kv_publisher)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -57,12 +59,24 @@ def run_server(args: argparse.Namespace) -> None:
         with stop_signals_to(lambda *_: None):
             died = asyncio.run(_serve(_Server(config, engine, app.state.admission, args.shutdown_timeout), engine))
     finally:
-        engine.shutdown()
+        engine.shutdown(args.shutdown_timeout)
         if kv_publisher is not None:
             kv_publisher.shutdown()
+        if engine.stepping:   # requests are answered; only a step no one waits for is left
+            _exit_under_step(0 if died is None else 1, args.shutdown_timeout)
     if died is not None:
         print(f"rackserve serve: {died}; exiting", file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+def _exit_under_step(code: int, waited: float) -> None:
+    """Ends the process now, without finalizing the interpreter: finalizing while the engine
+    thread is inside torch aborts (rc -6) instead of exiting with `code`."""
+    logging.shutdown()
+    print(f"rackserve serve: the engine's step in progress did not end within {waited:g} s of the stop; "
+          f"exiting without it", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
 
 
 class _Server(uvicorn.Server):
@@ -70,7 +84,8 @@ class _Server(uvicorn.Server):
     (/health too, so load balancers stop routing here) while those in flight run to their end for
     up to `shutdown_timeout` s (a second signal cuts that short). Then the engine stops, which ends
     what is left at once (a stream with an error event and [DONE]) instead of holding uvicorn's
-    own grace period and being cancelled mid-response."""
+    own grace period and being cancelled mid-response; its step in progress gets `shutdown_timeout`
+    s more to end (run_server exits without one that does not)."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, admission: Admission,
                  shutdown_timeout: float) -> None:
@@ -85,7 +100,7 @@ class _Server(uvicorn.Server):
             logger.warning("aborting %d request(s) still in flight at shutdown", left)
         # Off the event loop: the engine fails what is in flight at once, and the handlers must
         # answer (503) while its thread finishes the step in progress.
-        await asyncio.to_thread(self.engine.shutdown)
+        await asyncio.to_thread(self.engine.shutdown, self.shutdown_timeout)
         await super().shutdown(sockets)
 
 
