@@ -1,15 +1,20 @@
 """`rackserve cluster`: two instances and the router behind one URL, answering the openai
-client; an instance that dies stops the whole cluster (exit 1, no child left behind), and
-SIGINT stops it cleanly (exit 0, no child left behind); a 1P+1D cluster with the KV pool
-disaggregates a long prompt and stops as cleanly."""
+client; an instance SIGKILLed mid-run is routed around (its streams end with an OpenAI error
+event, the other instance's run on, new requests are served) and started again, and SIGTERM then
+stops everything (exit 0, no child left behind); SIGINT stops it cleanly too; a 1P+1D cluster
+with the KV pool disaggregates a long prompt and stops as cleanly."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -50,7 +55,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tiny, tmp_path):
+def _stream(url: str, prompt: str) -> list[str]:
+    """A completions stream's data lines, through [DONE] (the test fails if it is cut off)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert resp.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
+    return lines
+
+
+def _active(url: str) -> list[int]:
+    return [i["workers"][0]["active_requests"] if i["healthy"] else -1 for i in httpx.get(f"{url}/router").json()["instances"]]
+
+
+def test_an_instance_killed_mid_run_is_routed_around_and_started_again(tiny, tmp_path):
+    """Before: one instance SIGKILLed stopped the whole cluster (exit 1), cutting the other
+    instance's streams without an error event."""
     model, tokenizer = tiny
     proc, url = start_cluster(model, tokenizer, tmp_path / "cluster.log")
     try:
@@ -60,13 +80,43 @@ def test_cluster_serves_one_url_and_stops_when_an_instance_dies(tiny, tmp_path):
         assert out.usage.completion_tokens == 3
         pids = child_pids((tmp_path / "cluster.log").read_text())
         assert len(pids) == 2
-        os.kill(pids[0], signal.SIGKILL)
-        assert proc.wait(timeout=60) == 1
-        assert not alive(pids[1])
-        assert "instance 0 exited" in (tmp_path / "cluster.log").read_text()
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_stream, url, f"stream {i} " * 4) for i in range(4)]
+            deadline = time.monotonic() + 30
+            while min(_active(url)) < 1:   # both instances are streaming
+                assert time.monotonic() < deadline, _active(url)
+                time.sleep(0.02)
+            os.kill(pids[0], signal.SIGKILL)
+            ends = [f.result()[-2] for f in streams]
+        errors = [e for e in ends if '"error"' in e]
+        assert errors and all(json.loads(e[6:])["error"]["type"] == "server_error" for e in errors)
+        assert any('"finish_reason":"length"' in e for e in ends)   # the other instance's ran on
+        out = client.completions.create(model="tiny", prompt="hello again", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+        deadline = time.monotonic() + 120
+        while _active(url)[0] < 0:   # instance 0 is started again and rejoins the pool
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "cluster.log").read_text()
+            time.sleep(0.2)
+        log = (tmp_path / "cluster.log").read_text()
+        assert "instance 0 exited with code -9" in log
+        restarted = child_pids(log)[2:]
+        assert len(restarted) == 1 and alive(restarted[0])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not any(alive(pid) for pid in pids + restarted)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_restarts_back_off_while_an_instance_cannot_stay_up():
+    """At once after a run of a minute or more; after a shorter one, 1 s, then twice the last wait."""
+    from rackserve.router.restarts import Restarts
+    r = Restarts(2, now=0.0)
+    assert not r.due(0, -9, 10.0) and r.due(0, -9, 11.0)      # lived 10 s: waits 1 s
+    assert not r.due(0, -9, 12.0) and not r.due(0, -9, 13.9) and r.due(0, -9, 14.0)   # lived 1 s: 2 s
+    assert r.due(0, 1, 100.0)                                  # lived 86 s: at once
+    assert r.due(1, -9, 61.0)                                  # the other instance has its own count
 
 
 def test_sigint_stops_the_cluster_and_every_instance(tiny, tmp_path):

@@ -3,8 +3,9 @@
 router in front, behind one URL. `--prefill P --decode D` adds P prefill and D decode instances
 (MooncakeConnector as kv_producer / kv_consumer) behind the router's P/D pools; `--kv-pool`
 starts `rackserve kv-pool`'s Mooncake master and gives every instance MooncakeStoreConnector
-(inside a MultiConnector, after the P2P one, on P/D instances). Ctrl-C stops everything; so does
-an instance that dies (the command then exits 1). Beyond one machine, start `rackserve serve` on
+(inside a MultiConnector, after the P2P one, on P/D instances). Ctrl-C or SIGTERM stops everything
+(exit 0); an instance that dies is started again on its port (Restarts) while the router routes
+around it; the pool master dying stops everything (exit 1). Beyond one machine, start `rackserve serve` on
 each and point `rackserve router --worker URL ...` at them.
 
 This file owns the children's lives and their flags; it never routes (router/ does).
@@ -27,6 +28,7 @@ import httpx
 from rackserve.config import EngineArgs
 from rackserve.router import BOTH, DECODE, PREFILL
 from rackserve.router.cli import add_health_args, add_pd_args, add_router_policy_args, serve_router
+from rackserve.router.restarts import Restarts
 from rackserve.serve.cli import register_subcommand
 
 STARTUP_TIMEOUT_S = 600.0
@@ -89,26 +91,35 @@ def kv_transfer_config(args: argparse.Namespace, role: str, pool_address: str | 
             "kv_connector_extra_config": {"connectors": [{"kv_connector": "MooncakeConnector"}, store]}}
 
 
+def start_instance(args: argparse.Namespace, i: int, role: str, url: str, threads: int,
+                   pool_address: str | None = None) -> subprocess.Popen:
+    """Instance i, serving at `url`; its KV events on free ports (the router reads them from its
+    /kv_events each time it joins, so a restarted instance may take new ones)."""
+    from rackserve.distributed.parallel_state import free_port
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
+              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+    kv = kv_transfer_config(args, role, pool_address)
+    cmd = [sys.executable, "-m", "rackserve.serve.cli", "serve", *engine_flags(args), "--port", url.rsplit(":", 1)[1],
+           "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", kv if isinstance(kv, str) else json.dumps(kv)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    print(f"rackserve cluster: {role} instance {i} at {url} (pid {proc.pid}, {threads} threads)", flush=True)
+    return proc
+
+
 def start_instances(args: argparse.Namespace, roles: list[str] | None = None,
                     pool_address: str | None = None) -> tuple[list[subprocess.Popen], list[str]]:
     from rackserve.distributed.parallel_state import free_port
     roles = roles or instance_roles(args)
-    threads = max(1, args.threads // len(roles))
-    procs, urls = [], []
-    for i, role in enumerate(roles):
-        port = free_port()
-        events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-                  "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
-        kv = kv_transfer_config(args, role, pool_address)
-        cmd = [sys.executable, "-m", "rackserve.serve.cli", "serve", *engine_flags(args), "--port", str(port),
-               "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
-        if kv is not None:
-            cmd += ["--kv-transfer-config", kv if isinstance(kv, str) else json.dumps(kv)]
-        procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
-        urls.append(f"http://127.0.0.1:{port}")
-        print(f"rackserve cluster: {role} instance {i} at {urls[-1]} (pid {procs[-1].pid}, {threads} threads)",
-              flush=True)
-    return procs, urls
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in roles]
+    threads = instance_threads(args, roles)
+    return [start_instance(args, i, role, url, threads, pool_address)
+            for i, (role, url) in enumerate(zip(roles, urls))], urls
+
+
+def instance_threads(args: argparse.Namespace, roles: list[str]) -> int:
+    return max(1, args.threads // len(roles))
 
 
 def wait_healthy(procs: list[subprocess.Popen], urls: list[str]) -> str | None:
@@ -131,18 +142,25 @@ def wait_healthy(procs: list[subprocess.Popen], urls: list[str]) -> str | None:
 
 
 async def run_cluster(args: argparse.Namespace, procs: list[subprocess.Popen], urls: list[str],
-                      roles: list[str] | None = None, master: subprocess.Popen | None = None) -> str | None:
-    """Serves the router until it stops (None) or an instance or the pool master dies (returns why)."""
+                      roles: list[str] | None = None, master: subprocess.Popen | None = None,
+                      pool_address: str | None = None) -> str | None:
+    """Serves the router until it stops (None) or the pool master dies (returns why). An instance
+    that dies is started again in its place in `procs` (see Restarts); meanwhile the router
+    routes around it, as around any instance that stops answering. One that exits 0 (stopped on
+    purpose) stays down."""
     roles = roles or [BOTH] * len(urls)
     pool = {role: [u for u, r in zip(urls, roles) if r == role] for role in (BOTH, PREFILL, DECODE)}
     router = asyncio.create_task(serve_router(args, pool[BOTH], args.router_policy, None, pool[PREFILL],
                                               pool[DECODE]))
+    restarts = Restarts(len(procs), time.monotonic())
     while not router.done():
         await asyncio.wait({router}, timeout=0.5)
-        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-        why = (f"instance {dead[0]} exited with code {procs[dead[0]].returncode}" if dead else
-               f"the KV pool master exited with code {master.returncode}" if master and master.poll() is not None
-               else None)
+        for i, proc in enumerate(procs):
+            # Exit code 0 is a requested stop (a signal meant for it, or Ctrl-C reaching the whole
+            # process group as the cluster stops): only a failure is restarted.
+            if proc.poll() not in (None, 0) and restarts.due(i, proc.returncode, time.monotonic()):
+                procs[i] = start_instance(args, i, roles[i], urls[i], instance_threads(args, roles), pool_address)
+        why = f"the KV pool master exited with code {master.returncode}" if master and master.poll() is not None else None
         if why and not router.done():
             router.cancel()
             try:
@@ -223,7 +241,7 @@ def _cluster(args: argparse.Namespace) -> int:
         if args.kv_pool:
             master, address = start_pool_master()
         procs, urls = start_instances(args, roles, address)
-        failure = wait_healthy(procs, urls) or asyncio.run(run_cluster(args, procs, urls, roles, master))
+        failure = wait_healthy(procs, urls) or asyncio.run(run_cluster(args, procs, urls, roles, master, address))
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:
