@@ -111,7 +111,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds that requests in flight get to finish after SIGTERM/SIGINT before "
-                             "they are aborted (new requests get 503 meanwhile)")
+                             "they are aborted (new requests get 503 meanwhile); the engine's step in progress "
+                             "then gets as long again before the process exits without it")
 
 
 @register_subcommand("serve", "serve the OpenAI-compatible API over HTTP", _add_serve_args)
