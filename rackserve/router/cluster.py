@@ -96,6 +96,7 @@ def start_instance(args: argparse.Namespace, i: int, role: str, url: str, thread
     """Instance i, serving at `url`; its KV events on free ports (the router reads them from its
     /kv_events each time it joins, so a restarted instance may take new ones)."""
     from rackserve.distributed.parallel_state import free_port
+    from rackserve.kv_transfer.pool_cli import die_with_parent
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
               "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
     kv = kv_transfer_config(args, role, pool_address)
@@ -103,7 +104,8 @@ def start_instance(args: argparse.Namespace, i: int, role: str, url: str, thread
            "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
     if kv is not None:
         cmd += ["--kv-transfer-config", kv if isinstance(kv, str) else json.dumps(kv)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    # SIGTERMed if this command dies, even by SIGKILL: an instance never outlives its cluster.
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, preexec_fn=die_with_parent)
     print(f"rackserve cluster: {role} instance {i} at {url} (pid {proc.pid}, {threads} threads)", flush=True)
     return proc
 
