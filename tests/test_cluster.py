@@ -57,7 +57,7 @@ def alive(pid: int) -> bool:
 
 def _stream(url: str, prompt: str) -> list[str]:
     """A completions stream's data lines, through [DONE] (the test fails if it is cut off)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line]
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
@@ -86,6 +86,9 @@ def test_an_instance_killed_mid_run_is_routed_around_and_started_again(tiny, tmp
             while min(_active(url)) < 1:   # both instances are streaming
                 assert time.monotonic() < deadline, _active(url)
                 time.sleep(0.02)
+            # Stopped first, so its streams cannot end before the kill however fast the machine.
+            os.kill(pids[0], signal.SIGSTOP)
+            assert _active(url)[0] >= 1
             os.kill(pids[0], signal.SIGKILL)
             ends = [f.result()[-2] for f in streams]
         errors = [e for e in ends if '"error"' in e]
