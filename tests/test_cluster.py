@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import scrape_metrics, start_command
+from tests.server_utils import metric_totals, scrape_metrics, start_command
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -80,15 +80,27 @@ def test_an_instance_killed_mid_run_is_routed_around_and_started_again(tiny, tmp
         assert out.usage.completion_tokens == 3
         pids = child_pids((tmp_path / "cluster.log").read_text())
         assert len(pids) == 2
+        first = httpx.get(f"{url}/router").json()["instances"][0]["url"]
+        generated = metric_totals(first).get("rackserve:generation_tokens_total", 0.0)
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(_stream, url, f"stream {i} " * 4) for i in range(4)]
             deadline = time.monotonic() + 30
-            while min(_active(url)) < 1:   # both instances are streaming
+            while True:   # both instances streaming, and instance 0's requests still far from done
                 assert time.monotonic() < deadline, _active(url)
-                time.sleep(0.02)
-            # Stopped first, so its streams cannot end before the kill however fast the machine.
+                totals = metric_totals(first)
+                running = totals.get("rackserve:num_requests_running", 0.0)
+                # The least advanced of the running requests there has made at most the tokens made
+                # since the streams began over their number; with 100 or more still to make it needs
+                # more steps than the moment before the SIGSTOP can hold.
+                made = totals.get("rackserve:generation_tokens_total", 0.0) - generated
+                far = made <= (480 - 100) * max(running, 1.0)
+                if min(_active(url)) >= 1 and running >= 1 and far:
+                    break
+                assert far, "instance 0 ran its streams too far before the test saw them; nothing to cut"
+                time.sleep(0.01)
+            # Stopped first, so its streams cannot end before the kill however fast the machine
+            # (the router may still be relaying what the instance had sent, not the rest).
             os.kill(pids[0], signal.SIGSTOP)
-            assert _active(url)[0] >= 1
             os.kill(pids[0], signal.SIGKILL)
             ends = [f.result()[-2] for f in streams]
         errors = [e for e in ends if '"error"' in e]
