@@ -9,7 +9,6 @@ aborts its engine requests. It must never sample, schedule or shape completion b
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any, AsyncIterator, Awaitable
@@ -30,7 +29,7 @@ from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from rackserve.serve.serving_chat import OpenAIServingChat
 from rackserve.serve.serving_completion import OpenAIServingCompletion
-from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, wait_for_disconnect
+from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, unless_client_leaves
 from rackserve.serve.serving_tokenization import (DetokenizeRequest, OpenAIServingTokenization,
                                                   TokenizeRequest)
 
@@ -217,18 +216,9 @@ def _describe(errors: list[dict]) -> str:
 async def _respond(raw: Request, handler: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
     """Runs a handler until it answers or its client disconnects (then the handler is cancelled,
     which aborts its engine requests). A streaming answer has already seen its first token."""
-    task = asyncio.ensure_future(handler)
-    watcher = asyncio.ensure_future(wait_for_disconnect(raw))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        client_gone = not task.done()
-        if client_gone:
-            task.cancel()
-    if client_gone:
+    result = await unless_client_leaves(raw, handler)
+    if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    result = task.result()
     if isinstance(result, BaseModel):
         return _json(result)
     return StreamingResponse(result, media_type="text/event-stream")
