@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rackserve.sim.attention_work import extra_kernels, extra_kernels_per_step, kind_label, kind_work
 from rackserve.sim.cpu_attention import decode_attention_imbalance
 from rackserve.sim.efficiency import efficiency
 from rackserve.sim.hardware import Hardware
@@ -91,12 +92,9 @@ class CostModel:
         self.rng.shuffle(self.expert_p)   # popular experts land on any rank
 
     # -- op classes ---------------------------------------------------------------------------------
-    def _time(self, op: OpCost, flops_class: str, precision: str, mem_class: str = "mem_bw",
-              fp8_flops: float = 0.0) -> OpCost:
-        """`fp8_flops`: the part of op.flops that runs in FP8 whatever `precision` is."""
+    def _time(self, op: OpCost, flops_class: str, precision: str, mem_class: str = "mem_bw") -> OpCost:
         eff = self.hw.efficiency
-        compute = ((op.flops - fp8_flops) / self.hw.peak_flops(precision)
-                   + fp8_flops / self.hw.peak_flops("fp8")) / efficiency(flops_class, eff)
+        compute = op.flops / self.hw.peak_flops(precision) / efficiency(flops_class, eff)
         memory = op.bytes / (self.hw.mem_bw * efficiency(mem_class, eff))
         op.seconds = max(compute, memory) if self.hw.overlap else compute + memory
         return op
@@ -120,8 +118,11 @@ class CostModel:
         return self._time(OpCost(flops / tp, nbytes / tp), flops_class, s.weight_precision)
 
     def _attention(self, batch: list[SeqWork]) -> OpCost:
+        """The attention class: the attention, the indexer's scoring and its top-k, each a kernel
+        with its own roofline (vLLM launches them apart), plus the floors of the kernels compressed
+        layers add (attention_work.py)."""
         s, tp = self.spec, self.shape.tensor_parallel_size
-        flops = index = read = 0.0
+        math, index, topk = OpCost(), OpCost(), OpCost()
         decodes = [w.context for w in batch if w.new_tokens == 1]
         longest_decode = max(decodes) if self.hw.pads_decodes and len(decodes) > 1 else 0
         # A CPU's native decode attention: its busiest thread sets the decodes' pace.
@@ -130,20 +131,44 @@ class CostModel:
         for w in batch:
             if w.new_tokens == 1 and longest_decode:   # padded to the longest decode, then masked
                 w = SeqWork(1, longest_decode, w.samples)
-            mid, end = w.context + (w.new_tokens + 1) / 2, w.context + w.new_tokens
             weight = imbalance if w.new_tokens == 1 else 1.0
             for kind in s.attention:
-                # Causal: the queries see on average the keys at their middle position.
-                flops += weight * kind.count * w.new_tokens * kind.keys(mid) * s.attn_flops_per_key
-                index += kind.count * w.new_tokens * kind.index_entries(mid) * kind.index_flops_per_entry
-                read += weight * kind.count * (kind.keys(end) * s.entry_bytes
-                                               + kind.index_entries(end) * kind.index_bytes_per_entry)
+                work = kind_work(s, kind, w.new_tokens, w.context)
+                math.flops += weight * work.math_flops
+                math.bytes += weight * work.kv_read
+                index.flops += work.index_flops
+                index.bytes += weight * work.index_read
+                topk.bytes += work.topk_bytes
         longest = max(1, max((w.context for w in batch), default=1))
-        written = sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)
+        math.bytes += sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)   # KV written
         kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
         # The lightning indexer scores in FP8 (DeepSeek-V3.2 paper, and vLLM's deepseek_v4 indexer).
-        return self._time(OpCost((flops + index) / tp, (read + written) / kv_split), "attn_flops", "bf16",
-                          "attn_mem_bw", fp8_flops=index / tp)
+        kernels = (self._time(OpCost(math.flops / tp, math.bytes / kv_split), "attn_flops", "bf16", "attn_mem_bw"),
+                   self._time(OpCost(index.flops / tp, index.bytes / kv_split), "attn_flops", "fp8", "attn_mem_bw"),
+                   self._time(OpCost(0.0, topk.bytes / tp), "attn_flops", "bf16", "attn_mem_bw"))
+        floors = self.hw.kernel_overhead * extra_kernels_per_step(s)
+        return OpCost(sum(k.flops for k in kernels), sum(k.bytes for k in kernels),
+                      sum(k.seconds for k in kernels) + floors)
+
+    def attention_by_kind(self, batch: list[SeqWork]) -> dict[str, dict[str, OpCost]]:
+        """The attention class of one rank's batch split by layer kind and kernel, each part timed
+        alone (a report's view: the step times each kernel over all kinds at once; paged decodes)."""
+        s, tp = self.spec, self.shape.tensor_parallel_size
+        kv_split = min(tp, s.num_kv_heads)
+        parts = {}
+        for kind in s.attention:
+            works = [kind_work(s, kind, w.new_tokens, w.context) for w in batch]
+            parts[kind_label(kind)] = {
+                "attention": self._time(OpCost(sum(w.math_flops for w in works) / tp,
+                                               sum(w.kv_read for w in works) / kv_split), "attn_flops", "bf16",
+                                        "attn_mem_bw"),
+                "indexer scoring": self._time(OpCost(sum(w.index_flops for w in works) / tp,
+                                                     sum(w.index_read for w in works) / kv_split), "attn_flops",
+                                              "fp8", "attn_mem_bw"),
+                "indexer top-k": self._time(OpCost(0.0, sum(w.topk_bytes for w in works) / tp), "attn_flops", "bf16",
+                                            "attn_mem_bw"),
+                "kernel floors": OpCost(seconds=kind.count * extra_kernels(kind) * self.hw.kernel_overhead)}
+        return parts
 
     def _expert_loads(self, tokens: int) -> np.ndarray:
         """Tokens routed to each expert in one MoE layer, for `tokens` tokens (top-k distinct each,

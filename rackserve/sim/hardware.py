@@ -27,6 +27,7 @@ class Hardware:
     step_overhead: float = 0.0      # seconds per step outside the model (scheduling, launches, sampling)
     seq_overhead: float = 0.0       # seconds per scheduled sequence per step (metadata, sampling, gathers)
     layer_overhead: float = 0.0     # seconds per layer per step however small the batch (kernel floors)
+    kernel_overhead: float = 0.0    # the floor of one kernel: what each kernel a layer kind adds costs a step
     # What a server's serving path (output processing, detokenization, SSE, the event loop, the
     # benchmark client) adds to a step where it shares the cores with it: a CPU. Measured from a
     # `bench serve` run (sim/serve_path.py); 0 on GPUs, whose host CPUs run it beside the kernels.
@@ -76,25 +77,31 @@ class Hardware:
         return asdict(self)
 
 
+KERNEL_FLOOR = 3e-6     # seconds a GPU kernel lasts however little it does (below)
+LAYER_KERNELS = 10      # kernels of a decode layer every architecture runs (below)
+
+
 def _gpu(name: str, bf16: float, fp8: float, fp4: float | None, tbps: float, gb: float, up_gbps: float,
-         out_gbps: float, domain: int, source: str, layer_overhead: float = 30e-6) -> Hardware:
+         out_gbps: float, domain: int, source: str, layer_overhead: float = LAYER_KERNELS * KERNEL_FLOOR) -> Hardware:
     flops = {"bf16": bf16 * TFLOPS, "fp8": fp8 * TFLOPS}
     if fp4:
         flops["fp4"] = fp4 * TFLOPS
     # A serving step on a GPU costs ~30 us of launches and bookkeeping beyond its kernels with
     # CUDA graphs (vLLM's own profiles). A decode layer is ~10 kernels (norms, projections,
     # attention, gate, dispatch, experts, combine), each lasting at least ~3 us however little it
-    # does: ~30 us a layer, the floor of small batches. efficiency.py holds the per-op fractions.
+    # does: ~30 us a layer, the floor of small batches; a layer kind that launches more kernels (a
+    # DeepSeek-V4 compressor, its indexer: attention_work.py) adds 3 us for each. efficiency.py holds
+    # the per-op fractions.
     from rackserve.sim.efficiency import DEVICE_EFFICIENCY
     return Hardware(name, flops, tbps * TBPS, gb * 1e9, up_gbps * GBPS, out_gbps * GBPS, domain,
-                    step_overhead=30e-6, layer_overhead=layer_overhead,
+                    step_overhead=30e-6, layer_overhead=layer_overhead, kernel_overhead=KERNEL_FLOOR,
                     efficiency=dict(DEVICE_EFFICIENCY.get(name, {})), source=source)
 
 
 # The seeds' VR200 low-latency decode path: packed FP4 weight stages (7 -> 11 shared-memory stages)
 # save 57 us a step, the shared expert folded into the routed GEMM 220 us a step below 16 rows:
 # 277 us less of kernel floors a step than GB300's kernels, spread over DeepSeek-V4's 43 layers.
-VR200_LAYER_OVERHEAD = 30e-6 - 277e-6 / 43
+VR200_LAYER_OVERHEAD = LAYER_KERNELS * KERNEL_FLOOR - 277e-6 / 43
 
 
 # Vendors' datasheets (dense, per GPU). Links: NVLink 4 900 GB/s and NVLink 5 1.8 TB/s are

@@ -80,7 +80,7 @@ class ModelSpec:
     expert_precision: str = "bf16"
     kv_precision: str = "bf16"
     kv_entry_bytes: float | None = None     # overrides kv_entry_elems x the KV precision
-    mtp_tokens: int = 0                     # speculative tokens per step from MTP layers (0: off)
+    mtp_dense_params: int = 0               # one MTP block's linears, its experts apart (0: no MTP; sim/mtp.py)
     # Bytes per dense and LM head parameter when not the weight precision's: a GGUF whose linears
     # stay packed (Q4_1 and a Q8_0 embedding), as a `cpu` calibration measured them.
     dense_weight_bytes: float | None = None
@@ -225,6 +225,7 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
     csa_m, hca_m = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
     types = c.get("layer_types") or [{0: "sliding_attention", 4: "compressed_sparse_attention"}.get(
         r, "heavily_compressed_attention") for r in c.get("compress_ratios") or []]
+    types = types[:layers]   # compress_ratios also lists the MTP block's (after the last layer)
     if not types:   # transformers' default schedule: two HCA layers, then HCA and CSA alternating
         types = ["heavily_compressed_attention"] * min(layers, 2) + [
             "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
@@ -236,6 +237,9 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
             + heads * hd * o_lora + groups * o_lora * hidden)            # grouped o_a, o_b
     compressors = csa * (hidden * 4 * hd + q_lora * ih * idim + hidden * ih + hidden * 4 * idim) + hca * hidden * 2 * hd
     experts, k, expert, moe_layers, mlp = _moe_counts(c, layers)
+    # An MTP block: a sliding-window layer (its attention, shared expert, router) + e_proj and h_proj.
+    shared = c.get("n_shared_experts", 0) * 3 * hidden * c["moe_intermediate_size"]
+    mtp = attn + shared + hidden * experts + 2 * hidden * hidden if c.get("num_nextn_predict_layers") else 0
     window = c["sliding_window"]
     kinds = tuple(k for k in (AttentionKind(csa, window, csa_m, c["index_topk"], 2 * ih * idim, idim * 1.0,
                                             c.get("index_candidates")),
@@ -244,7 +248,7 @@ def _deepseek_v4(name: str, c: dict) -> ModelSpec:
                      experts_per_token=k, expert_params=expert, num_moe_layers=moe_layers, kv_entry_elems=hd,
                      num_kv_heads=1,
                      attn_flops_per_key=4 * heads * hd, attention=kinds, kv_entry_bytes=c.get("kv_bytes_per_entry"),
-                     mtp_tokens=0)
+                     mtp_dense_params=mtp)
     total = c.get("kv_bytes_per_token_total")
     if total:   # the seeds give the whole cache per token: scale the entry to match it
         spec = replace(spec, kv_entry_bytes=spec.entry_bytes * total / spec.kv_bytes_per_token())
