@@ -4,8 +4,9 @@ error of each, and a sensitivity table: which hardware or engine parameter moves
 
 DeepSeek-V4.1-Flash as the seeds describe it (sim/configs/deepseek-v4.1-flash.json), decoding with
 MTP: nextn=3 drafts verified each step (4 tokens per sequence) at an assumed per-draft acceptance
-of 0.8 (the seeds give none), so a step yields 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens per sequence; one user's rate also pays the
-three draft passes of the MTP block (mtp.py). `step_terms` splits each step-level scenario term by term.
+of 0.8 (the seeds give none), so a step yields 1 + 0.8 + 0.64 + 0.51 = 2.95 tokens per sequence;
+one user's rate also pays the three draft passes of the MTP block (mtp.py). `step_terms` splits
+each step-level scenario term by term.
 `python -m rackserve.sim.seeds [--output FILE]`. Closed-loop figures (AgentX curves, prefill
 DEP2 vs DEP4, routing A/B) come from `rackserve sim` runs instead (docs/simulator.md).
 
@@ -176,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"model": MODEL, "nextn": NEXTN, "acceptance": ACCEPTANCE, "figures": rows,
-                       "sensitivity": sens, "step_terms": terms, "command": "python -m rackserve.sim.seeds --output " + args.output},
+                       "sensitivity": sens, "step_terms": terms,
+                       "command": "python -m rackserve.sim.seeds --output " + args.output},
                       f, indent=1)
         print(f"wrote {args.output}")
     return 0
