@@ -79,6 +79,7 @@ def main() -> None:
     starts = [r["start"] for r in run["requests"] if r["kind"] != "warmup"] or [0.0]
     report = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv),
               "cpu": platform.processor(), "wall_s": round(time.time() - start, 1), "sim": run["sim"],
+              "summary": {k: v for k, v in run["summary"].items() if not isinstance(v, dict)},
               "whole_run": split(STEPS, args.budget),
               "steady": split([s for s in STEPS if min(starts) <= s["start"] <= max(starts)], args.budget)}
     print(json.dumps({k: report[k] for k in ("sim", "whole_run", "steady")}, indent=1))

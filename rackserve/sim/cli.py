@@ -50,6 +50,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--prefill-max-num-batched-tokens", type=int, default=None, help="P/D: the prefill instances' budget")
     a("--max-num-seqs", type=int, default=64, help="most requests running per DP rank")
     a("--max-num-batched-tokens", type=int, default=512, help="token budget of a step per DP rank")
+    a("--long-prefill-token-threshold", type=int, default=0, help="most prompt tokens one request computes in a "
+      "step (vLLM's flag; 0: no cap): a step's budget then spans several prompts")
     a("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     a("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache per device")
     a("--num-gpu-blocks-override", type=int, default=None, help="exact KV blocks per DP rank")

@@ -70,7 +70,7 @@ class SimSetup:
                         device="sim", max_model_len=max_len, seed=args.seed),
             CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching,
                         args.num_gpu_blocks_override),
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
         from rackserve.sim.routing import make_router
@@ -105,7 +105,8 @@ class SimSetup:
             self, instances=args.prefill, shape=dataclasses.replace(self.shape, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp),
             config=dataclasses.replace(self.config,
-                                       scheduler=SchedulerConfig(self.config.scheduler.max_num_seqs, budget),
+                                       scheduler=dataclasses.replace(self.config.scheduler,
+                                                                     max_num_batched_tokens=budget),
                                        parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp)),
             num_speculative_tokens=0, pd_role="kv_producer")
