@@ -89,3 +89,22 @@ def test_mtp_draft_passes_vanish_without_drafts_and_add_up_one_pass_at_a_time():
     # 43-layer target step; more sequences draft longer.
     assert GB300.step_overhead + GB300.layer_overhead < one < model.step(one_user).seconds / 10
     assert draft_seconds(model, [[SeqWork(4, 131072)] * 64], 1) > one
+
+
+def test_the_long_prefill_cap_reaches_both_pools_schedulers():
+    """`rackserve sim --long-prefill-token-threshold` is vLLM's cap on one prompt's tokens a step:
+    the simulated engine's scheduler takes it, a P/D prefill pool with its own budget keeps it."""
+    import argparse
+    from rackserve.sim.cli import add_args
+    from rackserve.sim.instance import SimSetup
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--model", "qwen3-30b-a3b", "--hardware", "H100", "--prefill", "1", "--decode", "1",
+                              "--max-num-batched-tokens", "8192", "--prefill-max-num-batched-tokens", "16384",
+                              "--long-prefill-token-threshold", "4096"])
+    setup = SimSetup.from_args(args, HARDWARE["H100"])
+    assert setup.config.scheduler.long_prefill_token_threshold == 4096
+    prefill = setup.prefill.config.scheduler
+    assert (prefill.max_num_batched_tokens, prefill.long_prefill_token_threshold) == (16384, 4096)
+    assert SimSetup.from_args(parser.parse_args(["--model", "qwen3-30b-a3b", "--hardware", "H100"]),
+                              HARDWARE["H100"]).config.scheduler.long_prefill_token_threshold == 0
