@@ -3,8 +3,11 @@ produced (each sequence's new tokens and the context before them), split by oper
 (dense linears, attention, routed experts, communication), and the step time on a device.
 
 time(class) = max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency)) (their sum on a
-device whose compute and memory traffic do not overlap: the CPU); a step is the sum of its
-classes plus the device's fixed overheads (per step, per layer, per scheduled sequence) and, where
+device whose compute and memory traffic do not overlap: the CPU); the attention class is three
+kernels timed so apiece (the attention, the lightning indexer's scoring, its top-k: counted per
+layer kind by attention_work.py) plus the floors of the kernels compressed layers add. A step is
+the sum of its classes plus the device's fixed overheads (per step, per layer, per scheduled
+sequence) and, where
 the serving path shares the cores with the step (a CPU), its cost per step and per streamed
 sequence.
 Parallel shapes: tensor parallelism
