@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rackserve.sim.attention_work import extra_kernels, extra_kernels_per_step, kind_label, kind_work
+from rackserve.sim.attention_work import KindWork, extra_kernels, extra_kernels_per_step, kind_label, kind_work
 from rackserve.sim.cpu_attention import decode_attention_imbalance
 from rackserve.sim.efficiency import efficiency
 from rackserve.sim.hardware import Hardware
@@ -161,15 +161,13 @@ class CostModel:
         parts = {}
         for kind in s.attention:
             works = [kind_work(s, kind, w.new_tokens, w.context) for w in batch]
+            t = KindWork(*(sum(v) for v in zip(*works))) if works else KindWork(0.0, 0.0, 0.0, 0.0, 0.0)
             parts[kind_label(kind)] = {
-                "attention": self._time(OpCost(sum(w.math_flops for w in works) / tp,
-                                               sum(w.kv_read for w in works) / kv_split), "attn_flops", "bf16",
+                "attention": self._time(OpCost(t.math_flops / tp, t.kv_read / kv_split), "attn_flops", "bf16",
                                         "attn_mem_bw"),
-                "indexer scoring": self._time(OpCost(sum(w.index_flops for w in works) / tp,
-                                                     sum(w.index_read for w in works) / kv_split), "attn_flops",
+                "indexer scoring": self._time(OpCost(t.index_flops / tp, t.index_read / kv_split), "attn_flops",
                                               "fp8", "attn_mem_bw"),
-                "indexer top-k": self._time(OpCost(0.0, sum(w.topk_bytes for w in works) / tp), "attn_flops", "bf16",
-                                            "attn_mem_bw"),
+                "indexer top-k": self._time(OpCost(0.0, t.topk_bytes / tp), "attn_flops", "bf16", "attn_mem_bw"),
                 "kernel floors": OpCost(seconds=kind.count * extra_kernels(kind) * self.hw.kernel_overhead)}
         return parts
 
