@@ -108,3 +108,32 @@ def test_the_long_prefill_cap_reaches_both_pools_schedulers():
     assert (prefill.max_num_batched_tokens, prefill.long_prefill_token_threshold) == (16384, 4096)
     assert SimSetup.from_args(parser.parse_args(["--model", "qwen3-30b-a3b", "--hardware", "H100"]),
                               HARDWARE["H100"]).config.scheduler.long_prefill_token_threshold == 0
+
+
+def test_a_closed_loop_step_pays_its_mtp_draft_passes(tiny_llama_dir):
+    """`rackserve sim --num-speculative-tokens k`: every step that samples is followed by k draft
+    passes over its sampling sequences (sim/mtp.py), which the virtual clock pays; none without k."""
+    from rackserve.config import EngineArgs
+    from rackserve.core.request import Request
+    from rackserve.engine.core import EngineCore
+    from rackserve.sampling_params import SamplingParams
+    from rackserve.sim.executor import SimExecutor
+    import dataclasses
+    spec = dataclasses.replace(load_model_spec("deepseek-v4.1-flash"), max_model_len=1024)
+    config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
+
+    def step_times(k: int) -> list[float]:
+        executor = SimExecutor(config, CostModel(spec, GB300), spec, num_speculative_tokens=k, acceptance_rate=0.0)
+        core = EngineCore(config, executor)
+        core.add_requests([Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True))])
+        times = []
+        while core.has_unfinished_requests():
+            core.step()
+            times.append(executor.last_step_seconds)
+        return times
+
+    plain, drafted = step_times(0), step_times(3)
+    assert len(plain) == len(drafted) == 3          # nothing accepted: the same three steps
+    model = CostModel(spec, GB300)
+    for i, (a, b) in enumerate(zip(plain, drafted)):   # the prompt's step, then two decodes
+        assert b - a == pytest.approx(draft_seconds(model, [[SeqWork(1, 4 + i)]], 3), rel=1e-6)

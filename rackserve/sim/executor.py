@@ -22,6 +22,7 @@ from rackserve.executor.base import Executor, register_executor
 from rackserve.sim.cost import CostModel, ParallelShape, SeqWork, StepCost
 from rackserve.sim.hardware import GIB, load_hardware
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec, load_model_spec
+from rackserve.sim.mtp import draft_seconds, mtp_block
 from rackserve.sim.kv_store import SimStoreTransfer
 from rackserve.sim.transfer import SimTransfer
 
@@ -53,7 +54,8 @@ class SimExecutor(Executor):
                  transfer: "SimTransfer | SimStoreTransfer | None" = None):
         """Defaults (as the registry builds it): the model's config.json at config.model.model and
         this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
-        decode step returns 1 + the accepted draft tokens, and the next step verifies them.
+        decode step returns 1 + the accepted draft tokens, and the next step verifies them; the
+        k draft passes after a step (sim/mtp.py) are added to its time.
         `transfer`: the KV connector's worker half on virtual time, carrying out the orders of
         the engine's connector scheduler halves: P/D pulls over the link (sim/transfer.py), loads
         from and stores to a KV pool shared with other instances (sim/kv_store.py), or both."""
@@ -77,6 +79,7 @@ class SimExecutor(Executor):
         self._slow_seconds: float = getattr(hw, "serve_slow_seconds", 0.0)
         self._stepped = 0.0      # virtual seconds of steps so far: the slow draw's clock
         self._steps, self._seed = 0, config.model.seed
+        self._draft_block: CostModel | None = None      # the MTP block's cost model, built on first use
 
     @property
     def dp_num_kv_blocks(self) -> list[int]:
@@ -90,7 +93,7 @@ class SimExecutor(Executor):
         assert len(scheduler_outputs) == self._dp, "one SchedulerOutput per DP rank"
         batches = [self._batch(reqs, so) for reqs, so in zip(self._reqs, scheduler_outputs)]
         cost = self.pricer.step([[w for _, w, _ in batch if w.new_tokens] for batch in batches])
-        self.last_cost, self.last_step_seconds = cost, cost.seconds * self._spread_draw()
+        self.last_cost, self.last_step_seconds = cost, (cost.seconds + self._drafts(batches)) * self._spread_draw()
         self._stepped += self.last_step_seconds
         connector = self._transfers(scheduler_outputs, batches)
         outputs = []
@@ -109,6 +112,16 @@ class SimExecutor(Executor):
             outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy,
                                              kv_connector_output=connector[d]))
         return outputs
+
+    def _drafts(self, batches: list) -> float:
+        """The MTP draft passes after this step (sim/mtp.py): k passes over the sequences that sampled,
+        on a cost model's device and shape; 0 without drafts, an MTP block or a cost model."""
+        if not self.num_speculative_tokens or not isinstance(self.pricer, CostModel) or not self.spec.mtp_dense_params:
+            return 0.0
+        if self._draft_block is None:
+            self._draft_block = CostModel(mtp_block(self.pricer.spec), self.pricer.hw, self.pricer.shape)
+        return draft_seconds(self.pricer, [[w for _, w, _ in batch if w.samples] for batch in batches],
+                             self.num_speculative_tokens, self._draft_block)
 
     def _spread_draw(self) -> float:
         """This step's draw from each part of the spread, each quantile as likely (1 without one)."""

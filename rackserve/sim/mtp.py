@@ -25,11 +25,12 @@ def mtp_block(spec: ModelSpec) -> ModelSpec:
                                attention=(AttentionKind(1, window),), mtp_dense_params=0)
 
 
-def draft_seconds(model: CostModel, batches: list[list[SeqWork]], passes: int) -> float:
+def draft_seconds(model: CostModel, batches: list[list[SeqWork]], passes: int, block: CostModel | None = None) -> float:
     """Seconds of `passes` draft passes after a step of `batches` (one per DP rank) on `model`'s
-    device and shape; 0 without drafts or without an MTP block."""
+    device and shape; 0 without drafts or without an MTP block. `block`: the MTP block's cost model
+    on that device and shape, when the caller keeps one from step to step."""
     if passes <= 0 or not model.spec.mtp_dense_params:
         return 0.0
-    block = CostModel(mtp_block(model.spec), model.hw, model.shape)
+    block = block or CostModel(mtp_block(model.spec), model.hw, model.shape)
     drafts = [[SeqWork(1, w.context + w.new_tokens) for w in batch] for batch in batches]
     return passes * block.step(drafts).seconds
