@@ -50,15 +50,16 @@ def test_blocked_causal_attention_matches_sdpa(ctx, n):
 
 @pytest.mark.parametrize("build", BUILDS, indirect=True)
 @pytest.mark.parametrize("ctx,n,block_size,heads,kvh,hd", [(0, 37, 16, 6, 2, 32), (45, 20, 8, 6, 2, 32),
-                                                            (29, 21, 5, 10, 2, 80)])
+                                                            (29, 21, 5, 10, 2, 80), (800, 9, 16, 4, 1, 16)])
 def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size, heads, kvh, hd, build):
     """A chunk of n queries after ctx cached tokens, its blocks scattered in the cache, GQA (3 or 5
     query heads a KV head: a group the kernel splits into several sets of heads sharing each key),
     n not a multiple of the kernel's 16 rows, a head_dim of 2 or 5 vectors, a block size that is no
-    power of two: against SDPA on the gathered keys."""
-    blocks = 16
+    power of two; and one item (9 rows, one KV head) after 800 cached tokens, which 2 threads split
+    into 3 segments of keys whose softmax states the kernel merges: against SDPA on the gathered keys."""
     g = torch.Generator().manual_seed(n)
     total = ctx + n
+    blocks = max(16, -(-total // block_size) + 2)
     table = torch.randperm(blocks, generator=g)[:-(-total // block_size)]
     k_cache, v_cache = (torch.randn(blocks, block_size, kvh, hd, generator=g) for _ in range(2))
     q = torch.randn(n, heads, hd, generator=g) * 3          # peaked softmaxes too
@@ -66,6 +67,11 @@ def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_
     v = v_cache[table].flatten(0, 1)[:total].transpose(0, 1).repeat_interleave(heads // kvh, 0)
     mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=hd ** -0.5)
-    out = native_ops.prefill_attention(q, k_cache, v_cache, table, ctx, hd ** -0.5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = native_ops.prefill_attention(q, k_cache, v_cache, table, ctx, hd ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
     assert out is not None, "the native kernel declined a float32 CPU chunk"
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * hd), rtol=1e-5, atol=1e-5)

@@ -7,140 +7,117 @@
 // Work item: one KV head and 16 query positions, i.e. its group's query heads at those positions
 // (48 query vectors on SmolLM2). The item transposes its query vectors once, so that a vector's
 // lanes are query vectors (16 on AVX-512, 8 on AVX2), and reads keys and values in the cache's own
-// layout: a key's score against a lane vector is head_dim multiply-adds of the query lanes by the
-// key's broadcast elements (no horizontal sums, no per-key transposition: the earlier form of this
-// kernel transposed every 16 keys for every item, a scalar gather as long as the scoring), 4 keys
-// times up to 3 lane vectors at once so that each loaded vector feeds several multiply-adds. The
-// online softmax then runs lane-wise over whole vectors (max, exp, sums), and the values are added
-// to the accumulators of kValQ query vectors at a time, each loaded value vector shared by them.
-// Written with GCC's vector extensions (vec_exp.h), so that both builds compile it to their own ISA.
-// model/native_ops.py calls rs_prefill_attention; the torch backend keeps its two-matmul form for
-// other dtypes and devices. This file must never allocate tensors: the caller passes every buffer.
+// layout (prefill_tiles.h): a key's score against a lane vector is head_dim multiply-adds of the
+// query lanes by the key's broadcast elements, with no horizontal sums and no per-key transposition
+// (the earlier form of this kernel transposed every 16 keys for every item, a scalar gather that
+// took as long as a third of its multiply-adds, which waited on two loads each); the online softmax
+// runs lane-wise over whole vectors. A chunk of fewer items than twice the threads (a short chunk
+// after a long context: 16 queries x 3 KV heads is 3 items) splits each item's keys into segments
+// that threads run apart, then merges their softmax states. Written with GCC's vector extensions
+// (vec_exp.h), so that both builds compile it to their own ISA. model/native_ops.py calls
+// rs_prefill_attention; the torch backend keeps its two-matmul form for other dtypes and devices.
+// This file must never allocate tensors: the caller passes every buffer.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#include "vec_exp.h"
+#include "prefill_tiles.h"
 
 namespace {
 
-#ifdef __AVX512F__
-typedef rs_f16 vf;
-typedef rs_i16 vi;
-constexpr int kLanes = 16;
-constexpr int kValQ = 4;        // query vectors sharing each loaded value vector: 16 accumulators
-constexpr int kKeyBlock = 8;    // keys scored at once against up to kScoreLanes lane vectors: 24
-#else
-typedef rs_f8 vf;               // AVX2 has 16 registers: 8 lanes, fewer shared
-typedef rs_i8 vi;
-constexpr int kLanes = 8;
-constexpr int kValQ = 3;
-constexpr int kKeyBlock = 4;
-#endif
-constexpr int kKeys = 16;       // keys a tile: one online-softmax step
-constexpr int kScoreLanes = 3;
-constexpr int kQueryRows = 16;  // query positions of a work item
+constexpr int kQueryRows = 16;    // query positions of a work item
+constexpr int64_t kMinSegment = 256;  // keys: a shorter segment is not worth a merge
 
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// The call's arguments, which every work item reads.
+struct Chunk {
+  const float* q;
+  int64_t q_stride, n, ctx;
+  const float* k_cache;
+  const float* v_cache;
+  const int64_t* table;
+  int64_t heads, kv_heads, head_dim, block_size;
+  float scale;
+};
 
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+// One thread's buffers: kQueryRows * group query vectors, a whole number of lane vectors (kLanes
+// divides kQueryRows).
+struct Scratch {
+  std::vector<float> qt, acc, s, p, m, l, corr, pos;
+  Scratch(int64_t qv_max, int64_t head_dim)
+      : qt(qv_max * head_dim), acc(qv_max * head_dim), s(qv_max * kKeys), p(qv_max * kKeys), m(qv_max),
+        l(qv_max), corr(qv_max), pos(qv_max) {}
+};
 
-// s[l][t] (lanes) = qt[l] . krow[t] for NL lane vectors of transposed, scaled queries (qt: NL
-// blocks of [head_dim][kLanes], qt_stride floats apart) and the tile's kKeys keys.
-template <int NL>
-inline void score(const float* qt, int64_t qt_stride, const float* const* krow, int64_t head_dim, float* s) {
-  for (int t0 = 0; t0 < kKeys; t0 += kKeyBlock) {
-    vf acc[NL][kKeyBlock] = {};
-    const float* k[kKeyBlock];
-#pragma GCC unroll 8
-    for (int u = 0; u < kKeyBlock; ++u) k[u] = krow[t0 + u];
-    for (int64_t d = 0; d < head_dim; ++d) {
-      vf qv[NL];
-#pragma GCC unroll 4
-      for (int l = 0; l < NL; ++l) qv[l] = loadv(qt + l * qt_stride + d * kLanes);
-#pragma GCC unroll 8
-      for (int u = 0; u < kKeyBlock; ++u) {
-        const float kd = k[u][d];
-#pragma GCC unroll 4
-        for (int l = 0; l < NL; ++l) acc[l][u] += qv[l] * kd;
+// Rows r0 .. r0 + rows of KV head g against keys [k0, k1): the item's query vectors' unnormalised
+// sums (w.acc), running maxima (w.m) and sums of probabilities (w.l).
+void run_item(const Chunk& c, Scratch& w, int64_t g, int64_t r0, int64_t rows, int64_t k0, int64_t k1) {
+  const int64_t group = c.heads / c.kv_heads, head_dim = c.head_dim, vecs = head_dim / kLanes;
+  const int64_t token_stride = c.kv_heads * head_dim, lane_block = head_dim * kLanes;
+  const int64_t qvs = rows * group, lvs = (qvs + kLanes - 1) / kLanes;
+  // Query vector v = (row v / group, head g * group + v % group), scaled, at lane v % kLanes of
+  // lane vector v / kLanes. Lanes past the last row: zero queries at its position (never read out).
+  for (int64_t v = 0; v < lvs * kLanes; ++v) {
+    float* dst = w.qt.data() + (v / kLanes) * lane_block + v % kLanes;
+    const int64_t row = std::min(v / group, rows - 1);
+    const float* src = c.q + (r0 + row) * c.q_stride + (g * group + v % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes] = v < qvs ? src[d] * c.scale : 0.f;
+    w.pos[v] = static_cast<float>(c.ctx + r0 + row);
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + qvs * head_dim, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + lvs * kLanes, -3.0e38f);
+  std::fill(w.l.begin(), w.l.begin() + lvs * kLanes, 0.f);
+  const float* krow[kKeys];
+  const float* vrow[kKeys];
+  for (int64_t c0 = k0; c0 < k1; c0 += kKeys) {
+    const int64_t nk = std::min<int64_t>(kKeys, k1 - c0);
+    // The key's block and offset stepped along, not divided out per key (a 64-bit division a key).
+    int64_t blk = c0 / c.block_size, in_blk = c0 % c.block_size;
+    for (int64_t t = 0; t < kKeys; ++t) {
+      // past the end: a repeat of the last key, masked (k1 < c0 + kKeys only where k1 is `seen`)
+      const int64_t off = (c.table[blk] * c.block_size + in_blk) * token_stride + g * head_dim;
+      krow[t] = c.k_cache + off;
+      vrow[t] = c.v_cache + off;
+      if (t + 1 < nk && ++in_blk == c.block_size) in_blk = 0, ++blk;
+    }
+    // Positions grow with v: lane vectors before `first` have every key here in their future.
+    int64_t first = 0;
+    while (w.pos[first * kLanes + kLanes - 1] < c0) ++first;
+    for (int64_t lv = first; lv < lvs; lv += kScoreLanes) {
+      const float* qb = w.qt.data() + lv * lane_block;
+      float* sb = w.s.data() + lv * kKeys * kLanes;
+      switch (std::min<int64_t>(kScoreLanes, lvs - lv)) {
+        case 1: score<1>(qb, lane_block, krow, head_dim, sb); break;
+        case 2: score<2>(qb, lane_block, krow, head_dim, sb); break;
+        default: score<3>(qb, lane_block, krow, head_dim, sb); break;
       }
     }
-#pragma GCC unroll 4
-    for (int l = 0; l < NL; ++l)
-#pragma GCC unroll 8
-      for (int u = 0; u < kKeyBlock; ++u) storev(s + (l * kKeys + t0 + u) * kLanes, acc[l][u]);
-  }
-}
-
-// acc[q][off .. off + kVecs vectors) = acc[q] * corr[q] + sum over t < visible of p[q][t] * vrow[t][off ..],
-// p[q][t] at p[q] + t * kLanes: each value vector is loaded once for the NQ query vectors.
-template <int NQ, int kVecs>
-inline void add_values(float* const* acc, const float* corr, const float* const* p, const float* const* vrow,
-                       int64_t visible, int64_t off) {
-  vf o[NQ][kVecs];
-#pragma GCC unroll 4
-  for (int q = 0; q < NQ; ++q)
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) {
-      o[q][j] = loadv(acc[q] + off + kLanes * j);
-      if (corr[q] != 1.f) o[q][j] *= corr[q];
+    for (int64_t lv = first; lv < lvs; ++lv) {
+      const int64_t o = lv * kLanes;
+      softmax_step(w.s.data() + o * kKeys, w.p.data() + o * kKeys, w.m.data() + o, w.l.data() + o,
+                   w.corr.data() + o, loadv(w.pos.data() + o), static_cast<float>(c0), c0 + kKeys - 1 > w.pos[o]);
     }
-  for (int64_t t = 0; t < visible; ++t) {
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) {
-      const vf vv = loadv(vrow[t] + off + kLanes * j);
-#pragma GCC unroll 4
-      for (int q = 0; q < NQ; ++q) o[q][j] += p[q][t * kLanes] * vv;
+    for (int64_t v = first * kLanes; v < qvs; v += kValQ) {
+      const int nq = static_cast<int>(std::min<int64_t>(kValQ, qvs - v));
+      const int64_t visible = std::min<int64_t>(kKeys, static_cast<int64_t>(w.pos[v + nq - 1]) - c0 + 1);
+      if (visible <= 0) continue;
+      float* a[kValQ];
+      const float* pq[kValQ];
+      for (int i = 0; i < nq; ++i) {
+        a[i] = w.acc.data() + (v + i) * head_dim;
+        pq[i] = w.p.data() + ((v + i) / kLanes) * kKeys * kLanes + (v + i) % kLanes;
+      }
+      const float* cq = w.corr.data() + v;
+      switch (nq) {
+        case 1: add_values_all<1>(a, cq, pq, vrow, visible, vecs); break;
+        case 2: add_values_all<2>(a, cq, pq, vrow, visible, vecs); break;
+        case 3: add_values_all<3>(a, cq, pq, vrow, visible, vecs); break;
+#ifdef __AVX512F__
+        default: add_values_all<4>(a, cq, pq, vrow, visible, vecs); break;
+#endif
+      }
     }
   }
-#pragma GCC unroll 4
-  for (int q = 0; q < NQ; ++q)
-#pragma GCC unroll 4
-    for (int j = 0; j < kVecs; ++j) storev(acc[q] + off + kLanes * j, o[q][j]);
-}
-
-template <int NQ>
-inline void add_values_all(float* const* acc, const float* corr, const float* const* p, const float* const* vrow,
-                           int64_t visible, int64_t vecs) {
-  int64_t j = 0;
-  for (; j + 4 <= vecs; j += 4) add_values<NQ, 4>(acc, corr, p, vrow, visible, kLanes * j);
-  for (; j < vecs; ++j) add_values<NQ, 1>(acc, corr, p, vrow, visible, kLanes * j);
-}
-
-}  // namespace
-
-namespace {
-
-// One lane vector's online-softmax step over a tile: s ([kKeys][kLanes] scores) to p (the
-// probabilities, same layout), its running max m and sum l updated, corr = exp(m_old - m_new), which
-// is exactly 1 where the max held. `masked`: some lane does not see every key (key c0 + t is seen by
-// a lane at position pos when c0 + t <= pos).
-inline void softmax_step(const float* s, float* p, float* m, float* l, float* corr, vf pos, float c0, bool masked) {
-  const vf m_old = loadv(m), none = vf{} - 3.0e38f;
-  vf m_new = m_old;
-#pragma GCC unroll 16
-  for (int t = 0; t < kKeys; ++t) {
-    vf x = loadv(s + t * kLanes);
-    if (masked) x = (c0 + t <= pos) ? x : none;
-    m_new = m_new > x ? m_new : x;
-  }
-  vf sum = {};
-#pragma GCC unroll 16
-  for (int t = 0; t < kKeys; ++t) {
-    vf e = rs_expv<vf, vi>(loadv(s + t * kLanes) - m_new);
-    if (masked) e = (c0 + t <= pos) ? e : vf{};
-    storev(p + t * kLanes, e);
-    sum += e;
-  }
-  const vf c = rs_expv<vf, vi>(m_old - m_new);
-  storev(l, loadv(l) * c + sum);
-  storev(m, m_new);
-  storev(corr, c);
 }
 
 }  // namespace
@@ -154,88 +131,59 @@ int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ct
                          const float* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   if (head_dim % 16 || head_dim > 256 || n < 1 || ctx < 0 || heads % kv_heads || threads < 1) return -1;
-  const int64_t group = heads / kv_heads, vecs = head_dim / kLanes;
+  const Chunk c{q, q_stride, n, ctx, k_cache, v_cache, table, heads, kv_heads, head_dim, block_size, scale};
+  const int64_t group = heads / kv_heads, qv_max = kQueryRows * group;
   const int64_t row_blocks = (n + kQueryRows - 1) / kQueryRows, items = kv_heads * row_blocks;
-  const int64_t token_stride = kv_heads * head_dim, lane_block = head_dim * kLanes;
+  const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, (ctx + 1) / kMinSegment));
+  // Each segment's state (qv_max sums of head_dim, maxima, probability sums), merged below.
+  const int64_t state = qv_max * (head_dim + 2);
+  std::vector<float> parts(splits > 1 ? items * splits * state : 0);
 #pragma omp parallel num_threads(threads)
   {
-    // kQueryRows * group query vectors: a whole number of lane vectors, as kLanes divides kQueryRows.
-    const int64_t qv_max = kQueryRows * group;
-    std::vector<float> qt(qv_max * head_dim), acc(qv_max * head_dim), s(qv_max * kKeys), p(qv_max * kKeys);
-    std::vector<float> m(qv_max), l(qv_max), corr(qv_max), pos(qv_max);
-    const float* krow[kKeys];
-    const float* vrow[kKeys];
+    Scratch w(qv_max, head_dim);
     // Later row blocks see more keys: the last ones first, dynamically, so that threads end together.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t g = item % kv_heads, rb = row_blocks - 1 - item / kv_heads;
-      const int64_t r0 = rb * kQueryRows, rows = std::min<int64_t>(kQueryRows, n - r0);
-      const int64_t qvs = rows * group, lvs = (qvs + kLanes - 1) / kLanes;
-      // Query vector v = (row v / group, head g * group + v % group), scaled, at lane v % kLanes of
-      // lane vector v / kLanes. Lanes past the last row: zero queries at its position (never read out).
-      for (int64_t v = 0; v < lvs * kLanes; ++v) {
-        float* dst = qt.data() + (v / kLanes) * lane_block + v % kLanes;
-        const float* src = q + (r0 + v / group) * q_stride + (g * group + v % group) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes] = v < qvs ? src[d] * scale : 0.f;
-        pos[v] = static_cast<float>(ctx + r0 + std::min(v / group, rows - 1));
-      }
-      std::fill(acc.begin(), acc.begin() + qvs * head_dim, 0.f);
-      std::fill(m.begin(), m.begin() + lvs * kLanes, -3.0e38f);
-      std::fill(l.begin(), l.begin() + lvs * kLanes, 0.f);
+    for (int64_t unit = 0; unit < items * splits; ++unit) {
+      const int64_t item = unit / splits, g = item % kv_heads, rb = row_blocks - 1 - item / kv_heads;
+      const int64_t r0 = rb * kQueryRows, rows = std::min<int64_t>(kQueryRows, n - r0), qvs = rows * group;
       const int64_t seen = ctx + r0 + rows;    // keys the block's last query sees
-      for (int64_t c0 = 0; c0 < seen; c0 += kKeys) {
-        const int64_t nk = std::min<int64_t>(kKeys, seen - c0);
-        // The key's block and offset stepped along, not divided out per key (a 64-bit division a key).
-        int64_t blk = c0 / block_size, in_blk = c0 % block_size;
-        for (int64_t t = 0; t < kKeys; ++t) {
-          // past the end: a repeat of the last key, masked below
-          const int64_t off = (table[blk] * block_size + in_blk) * token_stride + g * head_dim;
-          krow[t] = k_cache + off;
-          vrow[t] = v_cache + off;
-          if (t + 1 < nk && ++in_blk == block_size) in_blk = 0, ++blk;
-        }
-        // Positions grow with v: lane vectors before `first` have every key here in their future.
-        int64_t first = 0;
-        while (pos[first * kLanes + kLanes - 1] < c0) ++first;
-        for (int64_t lv = first; lv < lvs; lv += kScoreLanes) {
-          const float* qb = qt.data() + lv * lane_block;
-          float* sb = s.data() + lv * kKeys * kLanes;
-          switch (std::min<int64_t>(kScoreLanes, lvs - lv)) {
-            case 1: score<1>(qb, lane_block, krow, head_dim, sb); break;
-            case 2: score<2>(qb, lane_block, krow, head_dim, sb); break;
-            default: score<3>(qb, lane_block, krow, head_dim, sb); break;
-          }
-        }
-        for (int64_t lv = first; lv < lvs; ++lv) {
-          const int64_t o = lv * kLanes;
-          softmax_step(s.data() + o * kKeys, p.data() + o * kKeys, m.data() + o, l.data() + o, corr.data() + o,
-                       loadv(pos.data() + o), static_cast<float>(c0), c0 + kKeys - 1 > pos[o]);
-        }
-        for (int64_t v = first * kLanes; v < qvs; v += kValQ) {
-          const int nq = static_cast<int>(std::min<int64_t>(kValQ, qvs - v));
-          const int64_t visible = std::min<int64_t>(kKeys, static_cast<int64_t>(pos[v + nq - 1]) - c0 + 1);
-          if (visible <= 0) continue;
-          float* a[kValQ];
-          const float* pq[kValQ];
-          for (int i = 0; i < nq; ++i) {
-            a[i] = acc.data() + (v + i) * head_dim;
-            pq[i] = p.data() + ((v + i) / kLanes) * kKeys * kLanes + (v + i) % kLanes;
-          }
-          const float* cq = corr.data() + v;
-          switch (nq) {
-            case 1: add_values_all<1>(a, cq, pq, vrow, visible, vecs); break;
-            case 2: add_values_all<2>(a, cq, pq, vrow, visible, vecs); break;
-            case 3: add_values_all<3>(a, cq, pq, vrow, visible, vecs); break;
-#ifdef __AVX512F__
-            default: add_values_all<4>(a, cq, pq, vrow, visible, vecs); break;
-#endif
-          }
-        }
+      const int64_t per = ((seen + kKeys - 1) / kKeys + splits - 1) / splits * kKeys;
+      const int64_t k0 = std::min(seen, unit % splits * per);
+      run_item(c, w, g, r0, rows, k0, std::min(seen, k0 + per));
+      if (splits > 1) {
+        float* part = parts.data() + unit * state;
+        std::copy(w.acc.begin(), w.acc.begin() + qvs * head_dim, part);
+        std::copy(w.m.begin(), w.m.begin() + qvs, part + qv_max * head_dim);
+        std::copy(w.l.begin(), w.l.begin() + qvs, part + qv_max * (head_dim + 1));
+        continue;
       }
       for (int64_t v = 0; v < qvs; ++v) {
         float* dst = out + (r0 + v / group) * heads * head_dim + (g * group + v % group) * head_dim;
-        const float inv = 1.f / l[v];
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[v * head_dim + d] * inv;
+        const float inv = 1.f / w.l[v];
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = w.acc[v * head_dim + d] * inv;
+      }
+    }
+    if (splits > 1) {
+      // Each query vector: its segments' sums, each scaled by exp(its max - the overall max).
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t g = item % kv_heads, rb = row_blocks - 1 - item / kv_heads;
+        const int64_t r0 = rb * kQueryRows, rows = std::min<int64_t>(kQueryRows, n - r0);
+        const float* first = parts.data() + item * splits * state;
+        for (int64_t v = 0; v < rows * group; ++v) {
+          float* dst = out + (r0 + v / group) * heads * head_dim + (g * group + v % group) * head_dim;
+          float mx = -3.0e38f, l = 0.f;
+          for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, first[sp * state + qv_max * head_dim + v]);
+          std::fill(dst, dst + head_dim, 0.f);
+          for (int64_t sp = 0; sp < splits; ++sp) {
+            const float* part = first + sp * state;
+            const float f = std::exp(part[qv_max * head_dim + v] - mx);
+            l += f * part[qv_max * (head_dim + 1) + v];
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] += f * part[v * head_dim + d];
+          }
+          const float inv = 1.f / l;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] *= inv;
+        }
       }
     }
   }
