@@ -65,6 +65,7 @@ def main() -> None:
         old = subprocess.run(["git", "show", f"{args.ref}:{path}"], capture_output=True, text=True, check=True).stdout
     with open(path) as f:
         new = f.read()
+    load_before = os.getloadavg()
     torch.manual_seed(0)
     k = torch.randn(1024, BLOCK, KV_HEADS, HEAD_DIM)
     v = torch.randn(1024, BLOCK, KV_HEADS, HEAD_DIM)
@@ -106,7 +107,8 @@ def main() -> None:
                    platform.processor())
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "cpu": cpu, "isa": args.isa, "ref": args.ref,
-                       "load_before": os.getloadavg(), "rows": rows}, f, indent=1)
+                       "load_before": load_before,
+                       "load_after": os.getloadavg(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
