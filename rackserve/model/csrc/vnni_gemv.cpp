@@ -20,6 +20,7 @@
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
+#include <type_traits>
 #include "quantized_rows.h"
 
 namespace {
@@ -27,18 +28,24 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 
-// Rounds v / d to int8 (nearest even; |v / d| <= 127 by the choice of d), with its integer sum.
-inline __m512i to_int8(__m512 v, float d, int8_t* out) {
-  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f)));
+// Rounds v / d to int8 (nearest even), clamped to +-127, with its integer sum. |v / d| <= 127 for a
+// block's q by the choice of d; a residual's r reaches 128 only where its value sits on a tie.
+inline __m512i to_int8(__m512 v, float inv_d, int8_t* out) {
+  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv_d)));
+  q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q));
   return q;
 }
 
-// x = dx * q + dr * r per block: the residual's own int8 part leaves an error of about 1 / 254^2
-// of the block's largest value, so that the products are those of the fp32 activations to ~1e-5
-// (one int8 part alone, llama.cpp's Q8 activations, leaves ~0.5% of an output's scale, which adds
-// up over a model's layers).
+// x = dx * q + dr * r per block, dr = dx / 2^kResidualBits: the residual (|x - dx q| <= dx / 2) in
+// steps of dx / 256 leaves an error of about 1 / 254^2 of the block's largest value, so that the
+// products are those of the fp32 activations to ~1e-5 (one int8 part alone, llama.cpp's Q8
+// activations, leaves ~0.5% of an output's scale, which adds up over a model's layers). The fixed
+// power-of-two ratio lets the multi-row path (tile_rows) join a block's two integer sums into one,
+// 2^kResidualBits sum(code q) + sum(code r), exactly, and scale that once.
 // Into the calling thread's own buffers (quantized_rows.h), kept from call to call.
+constexpr int kResidualBits = 8;
+
 const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
@@ -50,14 +57,15 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-    float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.f;
-    __m512i qlo = to_int8(lo, d, o.q.data() + b * kGroup), qhi = to_int8(hi, d, o.q.data() + b * kGroup + 16);
+    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    __m512i qlo = to_int8(lo, inv, o.q.data() + b * kGroup), qhi = to_int8(hi, inv, o.q.data() + b * kGroup + 16);
     __m512 rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), _mm512_set1_ps(d), lo);
     __m512 rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), _mm512_set1_ps(d), hi);
-    float dr = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(rlo), _mm512_abs_ps(rhi))) / 127.f;
-    __m512i slo = to_int8(rlo, dr, o.r.data() + b * kGroup), shi = to_int8(rhi, dr, o.r.data() + b * kGroup + 16);
+    const float inv_r = inv * (1 << kResidualBits);
+    __m512i slo = to_int8(rlo, inv_r, o.r.data() + b * kGroup), shi = to_int8(rhi, inv_r, o.r.data() + b * kGroup + 16);
     o.dx[b] = d;
-    o.dr[b] = dr;
+    o.dr[b] = d * (1.f / (1 << kResidualBits));
     o.fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     o.qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     o.rsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
@@ -117,65 +125,96 @@ inline __m512 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
   return _mm512_add_ps(_mm512_add_ps(acc, acc_r), acc_min);
 }
 
-// One tile (16 output rows) times kRows consecutive rows of x from `row`: each block's codes are
-// loaded and unpacked once for all kRows rows (tile_dot pays that again for every row), then
-// meet the rows' q parts, then their r parts, so that the unpacked codes (8 zmm), one part's
-// integer sums (kRows) and the float sums (kRows) stay in the 32 zmm registers at 8 rows.
+// s += the unsigned bytes of w times the 4 signed bytes at p, broadcast to the 16 lanes: vpdpbusd
+// with its embedded broadcast, one instruction (GCC 12 makes _mm512_set1_epi32(*p) a vpbroadcastd
+// of its own, so the multi-row loop issued twice the instructions it needs).
+inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return s;
+}
+
+// The block's codes for input bytes 4j..4j+3 of each of a tile's 16 rows (Q4_*: the low nibbles for
+// j < 4, the high ones after).
+template <int kKind>
+__attribute__((always_inline)) inline __m512i block_codes(const uint8_t* rec, int j) {
+  if constexpr (kKind == 2) return _mm512_loadu_si512(rec + 64 * j);
+  const __m512i v = _mm512_loadu_si512(rec + 64 * (j & 3)), nibble = _mm512_set1_epi8(0x0F);
+  return j < 4 ? _mm512_and_si512(v, nibble) : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+}
+
+// One tile (16 output rows) times kRows consecutive rows of x from `row`. Per block, each row's two
+// integer sums are joined into one, 2^kResidualBits sum(code q) + sum(code r) (< 2^31), converted
+// and scaled once by d * dr. The dot products (5 cycles' latency, two ports) need ~10 independent
+// chains: up to 8 rows, each row's q and r sums are chains of their own (the codes unpacked once
+// for both); at 12, one chain a row (q, the shift, then r) keeps the registers for the rows.
 template <int kKind, int kRows>
 __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x,
                                                      int64_t row, int64_t k, float* y, int64_t y_stride) {
   constexpr int kCodeBytes = kKind == 2 ? 512 : 256;
   constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 64 : 32);
   constexpr int kOffset = kKind == 0 ? 8 : (kKind == 2 ? 128 : 0);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const int8_t* parts[2] = {x.q.data() + row * k, x.r.data() + row * k};
-  const float* scales[2] = {x.dx.data() + row * nb, x.dr.data() + row * nb};
-  const int32_t* sums[2] = {x.qsum.data() + row * nb, x.rsum.data() + row * nb};
+  constexpr bool kOneChain = kRows > 8;
+  const int8_t *xq = x.q.data() + row * k, *xr = x.r.data() + row * k;
+  const float* dr = x.dr.data() + row * nb;
+  const int32_t *qsum = x.qsum.data() + row * nb, *rsum = x.rsum.data() + row * nb;
   const float* fsum = x.fsum.data() + row * nb;
   __m512 acc[kRows];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
     // As in tile_dot: ask for the weight 4 KB ahead, so its DRAM latency overlaps this block's dots.
     for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
-    __m512i w[8];     // the block's codes for 4 input bytes each (Q4_*: low nibbles, then high)
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      if constexpr (kKind == 2) {
-        w[j] = _mm512_loadu_si512(rec + 64 * j);
-      } else {
-        const __m512i v = _mm512_loadu_si512(rec + 64 * (j & 3));
-        w[j] = j < 4 ? _mm512_and_si512(v, nibble) : _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kCodeBytes)));
-#pragma GCC unroll 2
-    for (int part = 0; part < 2; ++part) {
-      __m512i s[kRows];
-#pragma GCC unroll 8
-      for (int i = 0; i < kRows; ++i) s[i] = _mm512_setzero_si512();
+    // Row i's q (or r) part at block input bytes 4j..4j+3.
+    auto bq = [&](int i, int j) { return xq + i * k + b * kGroup + 4 * j; };
+    auto br = [&](int i, int j) { return xr + i * k + b * kGroup + 4 * j; };
+    __m512i s[kRows];
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i) s[i] = _mm512_setzero_si512();
+    if constexpr (kOneChain) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
+        const __m512i w = block_codes<kKind>(rec, j);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, bq(i, j));
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) s[i] = _mm512_slli_epi32(s[i], kResidualBits);
 #pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = block_codes<kKind>(rec, j);
+#pragma GCC unroll 16
+        for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, br(i, j));
+      }
+    } else {
+      __m512i t[kRows];
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = block_codes<kKind>(rec, j);
+#pragma GCC unroll 16
         for (int i = 0; i < kRows; ++i) {
-          const int32_t* xi = reinterpret_cast<const int32_t*>(parts[part] + i * k + b * kGroup);
-          s[i] = _mm512_dpbusd_epi32(s[i], w[j], _mm512_set1_epi32(xi[j]));
+          s[i] = dpbusd_bcst(s[i], w, bq(i, j));
+          t[i] = dpbusd_bcst(t[i], w, br(i, j));
         }
       }
-#pragma GCC unroll 8
-      for (int i = 0; i < kRows; ++i) {
-        if constexpr (kOffset != 0) s[i] = _mm512_sub_epi32(s[i], _mm512_set1_epi32(kOffset * sums[part][i * nb + b]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(scales[part][i * nb + b])),
-                                 acc[i]);
-      }
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) s[i] = _mm512_add_epi32(_mm512_slli_epi32(s[i], kResidualBits), t[i]);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kCodeBytes)));
+#pragma GCC unroll 16
+    for (int i = 0; i < kRows; ++i) {
+      if constexpr (kOffset != 0)
+        s[i] = _mm512_sub_epi32(s[i], _mm512_set1_epi32(kOffset * ((qsum[i * nb + b] << kResidualBits) + rsum[i * nb + b])));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, _mm512_set1_ps(dr[i * nb + b])), acc[i]);
     }
     if constexpr (kKind == 1) {
       const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + kCodeBytes + 32)));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int i = 0; i < kRows; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(fsum[i * nb + b]), acc[i]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(y + (row + i) * y_stride, acc[i]);
 }
 
@@ -186,22 +225,36 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
   const int64_t nb = k / kGroup, width = tiles * kTile;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work.
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 8)));
-  // Rows in chunks whose quantized activations (~3 KB a row at k = 1536) stay in L2 beside the
-  // weight while every tile of the thread passes over them: 512 rows at once spilled to L3.
-  constexpr int64_t kChunk = 64;
+  // Each thread takes one run of tiles (one run of memory: tile_dot's prefetch reads ahead in it), in
+  // groups whose weights (~256 KB) stay in L2 while all the rows pass over them. Within a group the
+  // rows go 12 at a time, and each 12 rows' quantized activations (24 k bytes) stay in L1 while
+  // every tile of the group meets them: the weight streams through L1, one run at a time, where
+  // chunks of rows streaming from L2 for every tile (24 concurrent runs of broadcast loads) had
+  // left the dot products waiting.
+  const int64_t group = std::max<int64_t>(1, (256 << 10) / (nb * kRecBytes));
 #pragma omp parallel num_threads(n)
-  for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
-    const int64_t r1 = std::min(rows, r0 + kChunk);
-#pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < tiles; ++t) {
-      const uint8_t* tile = packed + t * nb * kRecBytes;
-      int64_t r = r0;
-      for (; r + 8 <= r1; r += 8) tile_rows<kKind, 8>(tile, nb, xq, r, k, y + t * kTile, width);
-      if (r + 4 <= r1) {
-        tile_rows<kKind, 4>(tile, nb, xq, r, k, y + t * kTile, width);
+  {
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t ta = tiles * id / nt, tb = tiles * (id + 1) / nt;
+    for (int64_t g0 = ta; g0 < tb; g0 += group) {
+      const int64_t g1 = std::min(tb, g0 + group);
+      auto pass = [&](auto rows_at_once, int64_t r) {
+        for (int64_t t = g0; t < g1; ++t)
+          tile_rows<kKind, decltype(rows_at_once)::value>(packed + t * nb * kRecBytes, nb, xq, r, k, y + t * kTile, width);
+      };
+      int64_t r = 0;
+      for (; r + 12 <= rows; r += 12) pass(std::integral_constant<int, 12>{}, r);
+      if (r + 8 <= rows) {
+        pass(std::integral_constant<int, 8>{}, r);
+        r += 8;
+      }
+      if (r + 4 <= rows) {
+        pass(std::integral_constant<int, 4>{}, r);
         r += 4;
       }
-      for (; r < r1; ++r) _mm512_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
+      for (int64_t t = g0; t < g1 && r < rows; ++t)
+        for (int64_t i = r; i < rows; ++i)
+          _mm512_storeu_ps(y + i * width + t * kTile, tile_dot<kKind>(packed + t * nb * kRecBytes, nb, xq, i, k));
     }
   }
 }
