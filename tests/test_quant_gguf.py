@@ -78,6 +78,19 @@ def test_kernel_matches_dequantized_fp32_matmul(kernel, qtype, rows):
     assert torch.equal(linear.dequantize(), w)
 
 
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_a_native_kernel_splits_a_wide_weight_over_threads_and_tile_groups(kernel):
+    # 40 tiles of 48 blocks: on two threads each takes 20, in two of vnni's ~256 KB groups of tiles;
+    # 29 rows: tile calls of 12, 12 and 4 rows, then one row alone.
+    blocks, w = random_blocks("Q4_1", rows=640, cols=1536)
+    linear = QUANT_KERNELS.get(kernel)(from_gguf("Q4_1", blocks))
+    x = torch.randn(29, w.shape[1], generator=torch.Generator().manual_seed(0))
+    x[:, 5] *= 20
+    ref = x @ w.T
+    err = (linear(x) - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert float(err.max()) < TOLERANCE[kernel]
+
+
 def test_the_kernel_choice_follows_the_cpu_flags_and_the_build(tmp_path):
     from rackserve.model.native import build_library
     (tmp_path / "a-file").write_text("")
