@@ -64,7 +64,9 @@ class RequestOutput:
             old.text += new.text
             old.token_ids.extend(new.token_ids)
             if new.logprobs is not None:
-                old.logprobs = (old.logprobs or []) + new.logprobs
+                # In place: a reader far behind folds thousands of deltas, a copy each would be quadratic.
+                old.logprobs = old.logprobs if old.logprobs is not None else []
+                old.logprobs.extend(new.logprobs)
                 old.cumulative_logprob = (old.cumulative_logprob or 0.0) + (new.cumulative_logprob or 0.0)
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         self.outputs.sort(key=lambda c: c.index)

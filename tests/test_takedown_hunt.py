@@ -19,6 +19,10 @@ from tests.server_utils import stop_all
 from tests.tokenizer_utils import save_test_tokenizer
 
 
+# Past --max-request-body-bytes' default (16 MiB), as the instances bound it.
+BIG_BODY = b'{"max_tokens": 2, "prompt": "' + b"word " * (17 * 2**20 // 5) + b'"}'
+
+
 def _openai_error(resp: httpx.Response) -> dict:
     assert resp.headers["content-type"] == "application/json", resp.text
     error = resp.json()["error"]
@@ -49,6 +53,9 @@ def test_proxy_with_a_dead_instance_answers_an_openai_502(tmp_path):
             assert "ConnectError" in _openai_error(resp)["message"]
         assert httpx.get(f"{url}/v1/models").status_code == 502
         assert httpx.get(f"{url}/health").status_code == 503
+        # Before: a body past the instances' bound was read whole, parsed and sent on (here a 502).
+        resp = httpx.post(f"{url}/v1/completions", content=BIG_BODY, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 413 and _openai_error(resp)["code"] == "request_too_large"
         assert proc.poll() is None
         # Before: uvicorn re-raised the SIGTERM it had handled to the default handler: rc 143.
         proc.send_signal(signal.SIGTERM)
@@ -85,6 +92,9 @@ def test_router_with_a_dead_instance_answers_an_openai_503_and_exits_0_on_sigter
             resp = httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": stream}, timeout=60)
             assert resp.status_code == 503 and _openai_error(resp)["type"] == "server_error"
         assert httpx.get(f"{url}/v1/models").status_code == 503
+        # Before: read whole, parsed and tokenized (seconds of the router's CPU), then a 503.
+        resp = httpx.post(f"{url}/v1/completions", content=BIG_BODY, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 413 and _openai_error(resp)["code"] == "request_too_large"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

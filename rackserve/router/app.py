@@ -1,5 +1,6 @@
 """The router's HTTP face: the FastAPI app around RouterFront (server.py): the OpenAI endpoints,
-each answered by a forward the client's hang-up cancels, and the pool's state and metrics
+each answered by a forward the client's hang-up cancels (a body past --max-request-body-bytes
+gets a 413 before it is read whole), and the pool's state and metrics
 (/v1/models, /health, /router, /metrics).
 
 This file never routes and never talks to an instance about a request (server.py does).
@@ -14,6 +15,7 @@ from fastapi.responses import Response
 
 from rackserve.router.router import Instance, Router
 from rackserve.router.server import RouterFront, error_response
+from rackserve.serve.request_body import read_body
 from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, unless_client_leaves
 
 
@@ -24,7 +26,11 @@ def build_router_app(front: RouterFront) -> FastAPI:
     async def respond(raw: Request, path: str) -> Response:
         """The forwarded answer, unless the client leaves first: then the forward is cancelled,
         which closes the connection to the instance, which aborts the request there."""
-        response = await unless_client_leaves(raw, front.forward(path, await raw.body()))
+        try:
+            body = await read_body(raw, front.max_request_body_bytes)
+        except OpenAIError as e:   # 413: past --max-request-body-bytes
+            return error_response(e)
+        response = await unless_client_leaves(raw, front.forward(path, body))
         if response is None:
             router.metrics.client_disconnects.inc()
             return Response(status_code=CLIENT_CLOSED_REQUEST)

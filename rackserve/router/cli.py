@@ -11,6 +11,7 @@ import logging
 import sys
 
 from rackserve.serve.cli import register_subcommand
+from rackserve.serve.limits import ServerLimits
 
 POLICIES = ("kv", "kv_prefill", "prefix", "least_load", "round_robin")   # router/policies.py's registry
 
@@ -43,6 +44,12 @@ def add_health_args(parser: argparse.ArgumentParser) -> None:
                         help="the instances' --api-key, sent on every call the router makes to them")
 
 
+def add_body_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-request-body-bytes", type=int, default=ServerLimits().max_request_body_bytes,
+                        help="largest request body, bytes; larger ones get 413 before they are read whole "
+                             "(the instances' bound, `rackserve serve --max-request-body-bytes`)")
+
+
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="an instance's base URL (rackserve serve), repeatable")
@@ -55,6 +62,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer path (default: the one the first instance reports at /kv_events)")
     add_health_args(parser)
+    add_body_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -83,7 +91,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
 
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
                     args.health_timeout, args.worker_api_key, prefill, decode, args.pd_threshold_tokens)
-    front = RouterFront(router, args.tokenizer)
+    front = RouterFront(router, args.tokenizer, max_request_body_bytes=args.max_request_body_bytes)
     try:
         await front.start()
         server = uvicorn.Server(uvicorn.Config(build_router_app(front), host=args.host, port=args.port,

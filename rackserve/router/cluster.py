@@ -27,7 +27,7 @@ import httpx
 
 from rackserve.config import EngineArgs
 from rackserve.router import BOTH, DECODE, PREFILL
-from rackserve.router.cli import add_health_args, add_pd_args, add_router_policy_args, serve_router
+from rackserve.router.cli import add_body_args, add_health_args, add_pd_args, add_router_policy_args, serve_router
 from rackserve.router.restarts import Restarts
 from rackserve.serve.cli import register_subcommand
 
@@ -50,6 +50,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads to split evenly among the instances")
     add_health_args(parser)
+    add_body_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=int, default=8000, help="the router's port (instances take free ones)")
     parser.add_argument("--uvicorn-log-level", default="warning",

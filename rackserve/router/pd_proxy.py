@@ -17,7 +17,10 @@ import json
 from typing import Any
 
 from rackserve.router.body import parse_body
+from rackserve.router.cli import add_body_args
 from rackserve.serve.cli import register_subcommand
+from rackserve.serve.limits import ServerLimits
+from rackserve.serve.request_body import read_body
 from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, SSE_DONE, OpenAIError, unless_client_leaves
 
 PREFILL_TIMEOUT_S = 600.0
@@ -35,7 +38,8 @@ def _unreachable(e: Exception) -> OpenAIError:
     return OpenAIError(f"an instance behind the proxy failed: {e!r}", 502, type="server_error")
 
 
-def build_app(prefill_urls: list[str], decode_urls: list[str]):
+def build_app(prefill_urls: list[str], decode_urls: list[str],
+              max_request_body_bytes: int = ServerLimits().max_request_body_bytes):
     # This module has no `from __future__ import annotations`: FastAPI reads the handlers'
     # annotations as objects, and Request is imported here, not at module level.
     import httpx
@@ -54,7 +58,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str]):
 
     async def two_hops(path: str, request: Request) -> Response:
         try:
-            body = parse_body(await request.body())
+            body = parse_body(await read_body(request, max_request_body_bytes))
         except OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status)
         # A client that leaves during a hop cancels it, which closes the connection to that
@@ -131,6 +135,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
                         help="a prefill instance (rackserve serve with a KV connector); repeat for more")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
                         help="a decode instance; repeat for more")
+    add_body_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -144,4 +149,5 @@ def _proxy(args: argparse.Namespace) -> None:
     from rackserve.serve.signals import stop_quietly
     strip = [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode]
     with stop_quietly():   # exit 0 on SIGTERM, not 143
-        uvicorn.run(build_app(*strip), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        uvicorn.run(build_app(*strip, args.max_request_body_bytes), host=args.host, port=args.port,
+                    log_level=args.uvicorn_log_level)

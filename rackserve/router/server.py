@@ -31,6 +31,7 @@ from rackserve.router.load import uncached_prefill_blocks
 from rackserve.router.policies import RoutingPolicy
 from rackserve.router.prompts import render
 from rackserve.router.router import Instance, Route, Router
+from rackserve.serve.limits import ServerLimits
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 class RouterFront:
     def __init__(self, router: Router, tokenizer_path: str | None = None,
-                 request_timeout_s: float = 600.0) -> None:
+                 request_timeout_s: float = 600.0,
+                 max_request_body_bytes: int = ServerLimits().max_request_body_bytes) -> None:
         self.router = router
+        self.max_request_body_bytes = max_request_body_bytes   # read by app.py, before forward()
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Tokenizer | None = None
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=request_timeout_s)

@@ -9,14 +9,13 @@ aborts its engine requests. It must never sample, schedule or shape completion b
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rackserve import __version__
@@ -27,6 +26,7 @@ from rackserve.serve.admission import Admission, AdmissionMiddleware
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from rackserve.serve.request_body import parse_request, read_body
 from rackserve.serve.serving_chat import OpenAIServingChat
 from rackserve.serve.serving_completion import OpenAIServingCompletion
 from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, unless_client_leaves
@@ -111,22 +111,22 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
-        request = _parse(CompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(CompletionRequest, await read_body(raw, limits.max_request_body_bytes))
         return await _respond(raw, completions.create_completion(request, raw.state.request_id))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        request = _parse(ChatCompletionRequest, await _read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(ChatCompletionRequest, await read_body(raw, limits.max_request_body_bytes))
         return await _respond(raw, chat.create_chat_completion(request, raw.state.request_id))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        request = _parse(TokenizeRequest, await _read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(TokenizeRequest, await read_body(raw, limits.max_request_body_bytes))
         return _json(await tokenization.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        request = _parse(DetokenizeRequest, await _read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(DetokenizeRequest, await read_body(raw, limits.max_request_body_bytes))
         return _json(await tokenization.detokenize(request))
 
     app.openapi = lambda: _openapi(app)
@@ -152,23 +152,6 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-async def _read_body(raw: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes (from
-    Content-Length, or while it streams in), so an oversized body is never held whole."""
-    too_large = OpenAIError(f"the request body exceeds {limit} bytes (--max-request-body-bytes)",
-                            status=413, code="request_too_large")
-    declared = raw.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str, Any]:
     """Endpoints per DP rank (a wildcard host means: this instance's host), topic, and how blocks
     are named (core/hashing.py: chained 64-bit BLAKE2b from root_hash(hash_seed))."""
@@ -181,36 +164,6 @@ def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str,
             "enable_prefix_caching": config.cache.enable_prefix_caching,
             "data_parallel_size": config.parallel.data_parallel_size,
             "max_model_len": config.model.max_model_len}
-
-
-def _parse(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        raise OpenAIError(_describe(errors), param=_param(errors[0])) from None
-
-
-def _param(error: dict) -> str | None:
-    loc = [str(part) for part in error["loc"]]
-    return loc[0] if loc else None
-
-
-def _describe(errors: list[dict]) -> str:
-    """One line naming each bad field, what was expected, and what was sent."""
-    parts = []
-    for error in errors[:4]:
-        if error["type"] == "json_invalid":
-            return f"the request body is not valid JSON: {error['ctx']['error']}"
-        where = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "missing":
-            parts.append(f"'{where}' is required")
-        elif not where:
-            parts.append(f"the request body: {error['msg']}")
-        else:
-            parts.append(f"'{where}': {error['msg']} (got {json.dumps(error['input'])[:80]})")
-    more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
-    return "invalid request: " + "; ".join(parts) + more
 
 
 async def _respond(raw: Request, handler: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:

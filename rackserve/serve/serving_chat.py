@@ -16,8 +16,9 @@ from rackserve.serve.protocol import (ChatCompletionRequest, ChatCompletionRespo
                                       ChatCompletionResponseChoice, ChatCompletionStreamChoice,
                                       ChatCompletionStreamResponse, ChatLogprobToken, ChatLogProbs,
                                       ChatResponseMessage, ChatTopLogprob, DeltaMessage)
+from rackserve.serve.request_streams import RequestStreams
 from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, OpenAIServing,
-                                            RequestStreams, UsageCounter, clamp_logprob, sse,
+                                            UsageCounter, clamp_logprob, sse, stream_error,
                                             token_text, top_by_rank)
 
 
@@ -109,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.include_usage:
                 yield chunk([], usage.info())
         except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
-            yield sse(OpenAIError(f"generation failed: {e}", status=500, type="server_error").body())
+            yield stream_error(e)
         finally:
             streams.abort()
         yield SSE_DONE

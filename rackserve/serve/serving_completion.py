@@ -14,8 +14,9 @@ from typing import AsyncIterator
 from rackserve.outputs import Logprob
 from rackserve.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                       CompletionResponseChoice)
-from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, OpenAIServing,
-                                            RequestStreams, UsageCounter, clamp_logprob, sse,
+from rackserve.serve.request_streams import RequestStreams
+from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIServing,
+                                            UsageCounter, clamp_logprob, sse, stream_error,
                                             token_text, top_by_rank)
 
 
@@ -91,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
                                              choices=[], usage=usage.info()))
         except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
-            yield sse(OpenAIError(f"generation failed: {e}", status=500, type="server_error").body())
+            yield stream_error(e)
         finally:
             streams.abort()
         yield SSE_DONE

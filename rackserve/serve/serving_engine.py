@@ -1,5 +1,6 @@
 """What the completions and chat handlers share: the error type that becomes an OpenAI error body,
-the engine requests behind one HTTP request (RequestStreams), SSE framing, and logprob helpers.
+starting the engine requests behind one HTTP request (request_streams.py), SSE framing, and
+logprob helpers.
 
 This file owns the rule that an HTTP request fails as a whole, with a 400, before any byte is
 sent when the engine rejects one of its prompts, and that every engine request it started is
@@ -9,12 +10,10 @@ or shape OpenAI response bodies (the handlers do).
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import math
-import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -24,6 +23,7 @@ from rackserve.sampling_params import SamplingParams
 from rackserve.serve.limits import ServerLimits, check_limits, check_logprob_entries
 from rackserve.serve.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingRequest,
                                       UsageInfo)
+from rackserve.serve.request_streams import RequestStreams, UnreadStreamError
 
 if TYPE_CHECKING:
     from rackserve.engine.async_engine import AsyncEngine
@@ -57,69 +57,11 @@ def clamp_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isinf(value) or value < MIN_LOGPROB else value
 
 
-class RequestStreams:
-    """The engine requests behind one HTTP request: one per prompt, all consumed concurrently.
-
-    `start()` waits until every prompt produced its first output, so a prompt the engine
-    rejects (too long, bad ids) fails the HTTP request before its response begins. Iterating
-    yields (prompt_index, RequestOutput) deltas as they come. `abort()` (idempotent, sync so it
-    is safe inside a cancelled task's `finally`) stops whatever has not finished.
-    """
-
-    def __init__(self, engine: AsyncEngine, prompts: list[str | list[int]], params: SamplingParams,
-                 request_id: str, cache_salt: str | None = None,
-                 data_parallel_rank: int | None = None) -> None:
-        self.engine = engine
-        self.cache_salt = cache_salt
-        self.data_parallel_rank = data_parallel_rank
-        # A client's X-Request-Id is only the stem: two requests sent with the same one must
-        # still get distinct engine ids.
-        unique = uuid.uuid4().hex[:8]
-        self.request_ids = [f"{request_id}-{unique}-{i}" for i in range(len(prompts))]
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-        self._ready: collections.deque[tuple[int, RequestOutput | BaseException | None]] = collections.deque()
-        self._finished: set[int] = set()
-        self._tasks = [asyncio.create_task(self._pump(i, p, params)) for i, p in enumerate(prompts)]
-
-    async def _pump(self, index: int, prompt: str | list[int], params: SamplingParams) -> None:
-        try:
-            async for out in self.engine.generate(prompt, params, self.request_ids[index], self.cache_salt,
-                                                  data_parallel_rank=self.data_parallel_rank):
-                self._queue.put_nowait((index, out))
-        except Exception as e:  # handed to the consumer, which decides between 400 and 500
-            self._queue.put_nowait((index, e))
-        else:
-            self._queue.put_nowait((index, None))
-
-    async def start(self) -> None:
-        """Raises the first prompt's error (ValueError: the engine refused it) after aborting all."""
-        started: set[int] = set()
-        while len(started) < len(self._tasks):
-            index, item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.abort()
-                raise item
-            self._ready.append((index, item))
-            started.add(index)
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        running = len(self._tasks)
-        while running:
-            index, item = self._ready.popleft() if self._ready else await self._queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                if item.finished:
-                    self._finished.add(index)
-                yield index, item
-
-    def abort(self) -> None:
-        for index, task in enumerate(self._tasks):
-            task.cancel()
-            if index not in self._finished:
-                self.engine.abort(self.request_ids[index])
+def stream_error(e: Exception) -> str:
+    """The error event ending a stream whose 200 is already sent (reported in-band, as OpenAI does)."""
+    if isinstance(e, UnreadStreamError):
+        return sse(OpenAIError(str(e), param="stream", code="stream_not_read").body())
+    return sse(OpenAIError(f"generation failed: {e}", status=500, type="server_error").body())
 
 
 @dataclass
@@ -248,7 +190,8 @@ class OpenAIServing:
     async def start(self, prompts: list[str | list[int]], params: SamplingParams,
                     request_id: str, cache_salt: str | None = None,
                     data_parallel_rank: int | None = None) -> RequestStreams:
-        streams = RequestStreams(self.engine, prompts, params, request_id, cache_salt, data_parallel_rank)
+        streams = RequestStreams(self.engine, prompts, params, request_id, cache_salt, data_parallel_rank,
+                                 max_unread_entries=self.limits.max_logprob_entries)
         try:
             await streams.start()
         except BaseException as e:  # includes the handler's cancellation on client disconnect
