@@ -5,6 +5,7 @@ listed in the hunt's report and in tests/test_server_hardening.py.
 """
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -13,8 +14,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from rackserve.distributed.parallel_state import free_port
+from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from rackserve.serve.request_body import parse_request
+from rackserve.serve.serving_engine import OpenAIError
 from tests.server_utils import stop_all
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -99,3 +104,17 @@ def test_router_with_a_dead_instance_answers_an_openai_503_and_exits_0_on_sigter
         assert proc.wait(timeout=30) == 0
     finally:
         stop_all([proc])
+
+
+@pytest.mark.parametrize("body", [{"prompt": [1.5] * 20_000}, {"prompt": [[1, "a"]] * 20_000},
+                                  {"prompt": "Hi", "stop_token_ids": ["x"] * 20_000},
+                                  {"messages": [{"role": "user", "content": [{"type": "x"}] * 20_000}]}],
+                         ids=["floats_for_ids", "strings_in_id_lists", "strings_in_stop_token_ids", "bad_content_parts"])
+def test_a_list_of_wrong_items_is_refused_at_its_first_bad_item(body):
+    """Before: validation went on through every item, for every member of the prompt's union: a
+    14 MB body of 1.2M id lists held the event loop 35 s and 1.5 GB (niced, shared load) before
+    its 400. Each list now stops at its first bad item (and the message names it per member)."""
+    model = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(OpenAIError) as refused:
+        parse_request(model, json.dumps(body).encode())
+    assert refused.value.status == 400 and "more)" not in refused.value.message, refused.value.message[-200:]

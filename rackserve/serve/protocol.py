@@ -8,7 +8,7 @@ ValueError becomes the HTTP 400) and never touch the engine.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,14 @@ from rackserve.sampling_params import SamplingParams
 MAX_COMPLETION_LOGPROBS = 5             # the legacy completions API allows logprobs 0..5
 NOT_HONOURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "use_beam_search", "min_tokens", "prompt_logprobs")
+
+
+# Every list in a request stops at its first bad item. Otherwise a body of wrong items gets an
+# error per item per union member (a 14 MB prompt of 1.2M id lists: 35 s and 1.5 GB on the event
+# loop, niced, before its 400).
+FAIL_FAST = Field(fail_fast=True)
+Ids = Annotated[list[int], FAIL_FAST]
+Strs = Annotated[list[str], FAIL_FAST]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -38,7 +46,7 @@ class SamplingRequest(OpenAIBaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -47,7 +55,7 @@ class SamplingRequest(OpenAIBaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Ids | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's: requests with different salts never share prefix-cache blocks (tenant isolation)
@@ -110,7 +118,7 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = str | list[int] | list[str] | list[list[int]]
+Prompt = str | Ids | Strs | Annotated[list[Ids], FAIL_FAST]
 
 
 class CompletionRequest(SamplingRequest):
@@ -147,7 +155,7 @@ class TextContentPart(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | Annotated[list[TextContentPart], FAIL_FAST] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -158,7 +166,7 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], FAIL_FAST]
     max_tokens: int | None = None       # None: up to the context length
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -166,7 +174,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     # rackserve's extension: the messages already rendered and tokenized (the router sends them,
     # having tokenized to route); the chat template is then skipped.
-    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    prompt_token_ids: Ids | None = Field(default=None, min_length=1)
     # vLLM's chat template controls, declared only to be refused by name when they ask for other
     # than the default (this server renders the template one way: a new assistant turn), since
     # ignoring them would answer a different prompt than the one asked for.

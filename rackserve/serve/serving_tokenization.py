@@ -8,9 +8,9 @@ requests; tokenizing runs in a worker thread so a long text does not stall the e
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from rackserve.serve.protocol import ChatMessage, OpenAIBaseModel
+from rackserve.serve.protocol import FAIL_FAST, ChatMessage, Ids, OpenAIBaseModel
 from rackserve.serve.serving_engine import OpenAIError, OpenAIServing
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ class TokenizeRequest(OpenAIBaseModel):
     """vLLM's two tokenize bodies in one: exactly one of `prompt` and `messages`."""
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], FAIL_FAST] | None = None
     # None: vLLM's defaults, True for a prompt and False for messages (the template writes them).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # messages only
@@ -37,7 +37,7 @@ class TokenizeResponse(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: Ids
 
 
 class DetokenizeResponse(OpenAIBaseModel):
