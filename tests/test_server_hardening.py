@@ -324,4 +324,7 @@ def test_text_offset_advances_by_each_token_text_as_vllm(server):
     assert choice["logprobs"]["text_offset"] == [0, 10, 20]
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
-    assert [e["choices"][0]["logprobs"]["text_offset"] for e in events] == [[0], [0], [0]]
+    # A chunk may carry several tokens (deltas a reader has not taken yet are folded, as vLLM's
+    # RequestOutputCollector does): within a chunk the offsets still advance by each token's text.
+    offsets = [e["choices"][0]["logprobs"]["text_offset"] for e in events]
+    assert sum(len(o) for o in offsets) == 3 and all(o == [10 * i for i in range(len(o))] for o in offsets)

@@ -94,15 +94,16 @@ def test_sigterm_drains_what_is_in_flight_a_second_ctrl_c_cuts_it_and_exits_0(tm
 
 
 def test_a_step_still_computing_when_the_engine_stops_does_not_abort_the_process(tmp_path):
-    """An 8,192-token prompt prefilled in chunks of 2,048 by a model 768 wide, so each chunk after
-    the first is a step of some 100 GFLOP (attention and linears; 256 wide was too quick on a quiet
-    2-vCPU VM, well under a second): SIGTERM comes once
+    """An 8,192-token prompt prefilled in two chunks of 4,096 by a model 768 wide, so the second
+    chunk is a step of some 200 GFLOP (attention and linears; 256 wide was too quick on a quiet
+    2-vCPU VM, well under a second, and so were chunks of 2,048 once the native prefill attention
+    and GEMM got faster in the eighth round): SIGTERM comes once
     the first chunk's step is done (the request shows as running), so a later chunk's step is
     computing; with --shutdown-timeout 0.1 the request gets its 503, the step is not waited for,
     and the process exits 0. Before: the engine thread was joined for up to 60 s, then the
     interpreter finalized under a step still running, which aborts (rc -6, "terminate called
     without an active exception")."""
-    tokens, chunk = 8192, 2048
+    tokens, chunk = 8192, 4096
     model = build_tiny_model("LlamaForCausalLM", tmp_path / "model", max_position_embeddings=tokens + 64,
                              hidden_size=768, num_attention_heads=12, intermediate_size=1536, num_hidden_layers=2)
     proc, url = start_server(["--model", model, "--served-model-name", MODEL, "--device", "cpu",
