@@ -124,8 +124,8 @@ class CostModel:
         """The attention class: the attention, the indexer's scoring and its top-k, each a kernel
         with its own roofline (vLLM launches them apart), plus the floors of the kernels compressed
         layers add (attention_work.py)."""
-        s, tp = self.spec, self.shape.tensor_parallel_size
-        math, index, topk = OpCost(), OpCost(), OpCost()
+        s = self.spec
+        math_flops = kv_read = index_flops = index_read = topk_bytes = 0.0
         decodes = [w.context for w in batch if w.new_tokens == 1]
         longest_decode = max(decodes) if self.hw.pads_decodes and len(decodes) > 1 else 0
         # A CPU's native decode attention: its busiest thread sets the decodes' pace.
@@ -137,37 +137,38 @@ class CostModel:
             weight = imbalance if w.new_tokens == 1 else 1.0
             for kind in s.attention:
                 work = kind_work(s, kind, w.new_tokens, w.context)
-                math.flops += weight * work.math_flops
-                math.bytes += weight * work.kv_read
-                index.flops += work.index_flops
-                index.bytes += weight * work.index_read
-                topk.bytes += work.topk_bytes
+                math_flops += weight * work.math_flops
+                kv_read += weight * work.kv_read
+                index_flops += work.index_flops
+                index_read += weight * work.index_read
+                topk_bytes += work.topk_bytes
         longest = max(1, max((w.context for w in batch), default=1))
-        math.bytes += sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)   # KV written
-        kv_split = min(tp, s.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
-        # The lightning indexer scores in FP8 (DeepSeek-V3.2 paper, and vLLM's deepseek_v4 indexer).
-        kernels = (self._time(OpCost(math.flops / tp, math.bytes / kv_split), "attn_flops", "bf16", "attn_mem_bw"),
-                   self._time(OpCost(index.flops / tp, index.bytes / kv_split), "attn_flops", "fp8", "attn_mem_bw"),
-                   self._time(OpCost(0.0, topk.bytes / tp), "attn_flops", "bf16", "attn_mem_bw"))
+        kv_read += sum(w.new_tokens for w in batch) * s.kv_bytes_per_token(longest)   # KV written
+        kernels = self._attention_kernels(KindWork(math_flops, kv_read, index_flops, index_read, topk_bytes))
         floors = self.hw.kernel_overhead * extra_kernels_per_step(s)
         return OpCost(sum(k.flops for k in kernels), sum(k.bytes for k in kernels),
                       sum(k.seconds for k in kernels) + floors)
 
+    def _attention_kernels(self, t: KindWork) -> tuple[OpCost, OpCost, OpCost]:
+        """The attention, the indexer's scoring and its top-k of `t`, each timed as a kernel of its own."""
+        tp = self.shape.tensor_parallel_size
+        kv_split = min(tp, self.spec.num_kv_heads)   # a single latent (MLA) is read whole by every TP rank
+        # The lightning indexer scores in FP8 (DeepSeek-V3.2 paper, and vLLM's deepseek_v4 indexer).
+        return (self._time(OpCost(t.math_flops / tp, t.kv_read / kv_split), "attn_flops", "bf16", "attn_mem_bw"),
+                self._time(OpCost(t.index_flops / tp, t.index_read / kv_split), "attn_flops", "fp8", "attn_mem_bw"),
+                self._time(OpCost(0.0, t.topk_bytes / tp), "attn_flops", "bf16", "attn_mem_bw"))
+
     def attention_by_kind(self, batch: list[SeqWork]) -> dict[str, dict[str, OpCost]]:
         """The attention class of one rank's batch split by layer kind and kernel, each part timed
         alone (a report's view: the step times each kernel over all kinds at once; paged decodes)."""
-        s, tp = self.spec, self.shape.tensor_parallel_size
-        kv_split = min(tp, s.num_kv_heads)
+        s = self.spec
         parts = {}
         for kind in s.attention:
             works = [kind_work(s, kind, w.new_tokens, w.context) for w in batch]
             t = KindWork(*(sum(v) for v in zip(*works))) if works else KindWork(0.0, 0.0, 0.0, 0.0, 0.0)
+            attention, scoring, topk = self._attention_kernels(t)
             parts[kind_label(kind)] = {
-                "attention": self._time(OpCost(t.math_flops / tp, t.kv_read / kv_split), "attn_flops", "bf16",
-                                        "attn_mem_bw"),
-                "indexer scoring": self._time(OpCost(t.index_flops / tp, t.index_read / kv_split), "attn_flops",
-                                              "fp8", "attn_mem_bw"),
-                "indexer top-k": self._time(OpCost(0.0, t.topk_bytes / tp), "attn_flops", "bf16", "attn_mem_bw"),
+                "attention": attention, "indexer scoring": scoring, "indexer top-k": topk,
                 "kernel floors": OpCost(seconds=kind.count * extra_kernels(kind) * self.hw.kernel_overhead)}
         return parts
 

@@ -116,7 +116,8 @@ class SimExecutor(Executor):
     def _drafts(self, batches: list) -> float:
         """The MTP draft passes after this step (sim/mtp.py): k passes over the sequences that sampled,
         on a cost model's device and shape; 0 without drafts, an MTP block or a cost model."""
-        if not self.num_speculative_tokens or not isinstance(self.pricer, CostModel) or not self.spec.mtp_dense_params:
+        if not self.num_speculative_tokens or not isinstance(self.pricer, CostModel) \
+                or not self.pricer.spec.mtp_dense_params:
             return 0.0
         if self._draft_block is None:
             self._draft_block = CostModel(mtp_block(self.pricer.spec), self.pricer.hw, self.pricer.shape)
