@@ -31,14 +31,18 @@ def engine_kernels(model_config: ModelConfig, kv_cache_dtype: str | None = None)
     """{"quant_kernel": name or None (weights not packed), "dense_above_rows": int or None,
     "native_decode_attention": bool} for this model config (`kv_cache_dtype`: the cache's dtype
     name when it is not the model's)."""
-    from rackserve.model.native import unavailable_reason
+    from rackserve.model.native import resolve_native_isa, unavailable_reason
     kernel = dense_above = None
     if model_config.quantization == "gguf":
         from rackserve.model.quant.kernel_choice import resolve_quant_kernel
         from rackserve.model.quant.quantized_linear import QUANT_KERNELS
         kernel = resolve_quant_kernel(model_config.quant_kernel, "gguf", model_config.device).name
         dense_above = QUANT_KERNELS.get(kernel).dense_above_rows
+    # The build the engine's fused ops call (loader.py: native_ops.use_isa), avx2 on a Zen: not
+    # only the avx512 one.
+    isa = resolve_native_isa(model_config.native_isa, model_config.device).isa
     native = (model_config.device == "cpu" and model_config.dtype == "float32"
-              and (kv_cache_dtype or model_config.dtype) == "float32" and unavailable_reason() is None
+              and (kv_cache_dtype or model_config.dtype) == "float32"
+              and isa != "none" and unavailable_reason(isa=isa) is None
               and not _own_attention_backend(model_config))
     return {"quant_kernel": kernel, "dense_above_rows": dense_above, "native_decode_attention": native}

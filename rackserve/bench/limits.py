@@ -53,12 +53,29 @@ def _median_seconds(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
+def _matmul_size(n: int, dtype: torch.dtype, longest_s: float = 1.0) -> int:
+    """`n`, or a smaller multiple of 256 where one n x n matmul in `dtype` would take longer than
+    `longest_s`: a dtype the CPU only emulates (bf16 on a Zen 3: ~100x slower than fp32, measured)
+    must not turn the probe into minutes. A 512 x 512 matmul, timed after one untimed call,
+    estimates the rate (low: a small matmul runs below the large one's rate)."""
+    a = torch.randn(512, 512, dtype=dtype)
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    rate = 2 * 512**3 / max(time.perf_counter() - t0, 1e-9)
+    while n > 512 and 2 * n**3 / rate > longest_s:
+        n -= 256
+    return n
+
+
 def measure_limits(device: str = "cpu", dtype: torch.dtype = torch.float32, repeats: int = 5) -> Limits:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     size = 256 * 2**20 if device == "cpu" else 2 * 2**30
     buf = torch.ones(size // 4, dtype=torch.float32, device=device)
     read_s = _median_seconds(lambda: buf.sum(), repeats, sync)
     n = 2048 if device == "cpu" else 8192
+    if device == "cpu":
+        n = _matmul_size(n, dtype)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     mm_s = _median_seconds(lambda: a @ b, max(3, repeats // 2), sync)
