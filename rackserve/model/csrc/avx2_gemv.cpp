@@ -88,8 +88,12 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
   return out;
 }
 
-// How far ahead of its block tile_dot asks for the weight's bytes: as vnni_gemv.cpp's kPrefetch.
-constexpr int kPrefetch = 4096;
+// How far ahead of its block tile_dot asks for the weight's bytes: as vnni_gemv.cpp's kPrefetch
+// (bench/avx2_decode_gemv_ab.py builds other distances with -DRS_AVX2_PREFETCH=...).
+#ifndef RS_AVX2_PREFETCH
+#define RS_AVX2_PREFETCH 4096
+#endif
+constexpr int kPrefetch = RS_AVX2_PREFETCH;
 
 // One tile (8 output rows) times row `row` of x: 8 outputs.
 template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
