@@ -44,6 +44,12 @@ float exp_shifted_sum(float* s, int64_t n, float mx) {
 }
 
 #if defined(__AVX512F__)
+constexpr bool kAvx512 = true;
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+#if defined(__AVX512F__)
 #define RS_VECTOR_KEYS 1
 constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
 using Vec = __m512;
@@ -89,21 +95,53 @@ inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels 
 }
 #endif                              // else no vector path: every key takes the plain loop
 
+#ifdef RS_VECTOR_KEYS
+// q . k for kKeys keys at a time, token_stride apart, of M vectors each, into s[0..n) (the keys of
+// a last part-group are left to the caller): each key's products are added in the order of its
+// vectors, as a plain loop over the head would, but the kKeys keys' sums advance together, vector
+// by vector. Key by key, each sum was one chain of M dependent FMAs (8 on AVX2 at head_dim 64,
+// ~4 cycles each) that the next key's chain could only partly overlap.
+template <int M>
+int64_t score_keys_vec(const float* q, const float* k, int64_t n, int64_t token_stride, float* s) {
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  int64_t j = 0;
+  for (; j + kKeys <= n; j += kKeys) {
+    Vec acc[kKeys];
+    for (int64_t t = 0; t < kKeys; ++t) acc[t] = vzero();
+    for (int c = 0; c < M; ++c) {
+      const Vec qc = vload(q + c * lanes);
+      for (int64_t t = 0; t < kKeys; ++t) acc[t] = vfma(qc, vload(k + (j + t) * token_stride + c * lanes), acc[t]);
+    }
+    store_sums(acc, s + j);
+  }
+  return j;
+}
+#endif
+
 // q . k for n keys token_stride apart, into s[0..n).
 void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
   int64_t j = 0;
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   if (head_dim % lanes == 0) {
-    for (; j + kKeys <= n; j += kKeys) {
-      Vec acc[kKeys];
-      for (int64_t t = 0; t < kKeys; ++t) {
-        const float* kt = k + (j + t) * token_stride;
-        Vec a = vzero();
-        for (int64_t i = 0; i < head_dim; i += lanes) a = vfma(vload(q + i), vload(kt + i), a);
-        acc[t] = a;
-      }
-      store_sums(acc, s + j);
+    // The AVX2 build only (measured on a Zen 3, bench/decode_attention_ab.py); the AVX-512 build's
+    // chains are half as long, and it keeps the key-by-key loop it was measured with.
+    switch (kAvx512 ? 0 : head_dim / lanes) {
+      case 2: j = score_keys_vec<2>(q, k, n, token_stride, s); break;
+      case 4: j = score_keys_vec<4>(q, k, n, token_stride, s); break;
+      case 8: j = score_keys_vec<8>(q, k, n, token_stride, s); break;
+      case 16: j = score_keys_vec<16>(q, k, n, token_stride, s); break;
+      default:
+        for (; j + kKeys <= n; j += kKeys) {
+          Vec acc[kKeys];
+          for (int64_t t = 0; t < kKeys; ++t) {
+            const float* kt = k + (j + t) * token_stride;
+            Vec a = vzero();
+            for (int64_t i = 0; i < head_dim; i += lanes) a = vfma(vload(q + i), vload(kt + i), a);
+            acc[t] = a;
+          }
+          store_sums(acc, s + j);
+        }
     }
   }
 #endif
@@ -152,6 +190,20 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
   }
 }
 
+// Asks for the next block's bytes of a part (when it has one), a line at a time, while this block
+// is read: the table scatters a context's blocks, so the hardware prefetcher loses the stream at
+// each block's end. The AVX2 build only (on a Zen 3 it took a lone decode's attention at 256 tokens
+// from 56 to 43 us a layer, bench/results/decode-attention-ab-prefetch-s9z.json); the AVX-512
+// build was not measured with it.
+inline void prefetch_next_block(const float* cache, const int64_t* table, int64_t t0, int64_t t_end,
+                                int64_t block_size, int64_t token_stride) {
+  const int64_t next = t0 + block_size;
+  if (kAvx512 || next >= t_end) return;
+  const char* p = reinterpret_cast<const char*>(cache + table[next / block_size] * block_size * token_stride);
+  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(float));
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 // One part of one request: its query heads (q, head_dim apart; KV head g's are g * group ...)
 // against tokens [t_begin, t_end) (whole blocks but for the context's last), every KV head of a
 // token by the same thread: the cache interleaves the KV heads of a token, and a thread reading
@@ -173,6 +225,7 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
     const float* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
+    prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
     for (int64_t h = 0; h < heads; ++h)
       score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
   }
@@ -190,6 +243,7 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
     const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
+    prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
     for (int64_t h = 0; h < heads; ++h)
       add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
                  part + h * (head_dim + 2));
@@ -212,8 +266,12 @@ extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const
                                          const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                          float scale, float* out, int threads) {
-  constexpr int64_t kMinPartTokens = 256;     // below this a part's fixed costs (merge, scratch) dominate
-  constexpr int64_t kMinParallelKeys = 1024;  // keys x KV heads a step needs before it uses the threads
+  // Below kMinPartTokens a part's fixed costs (merge, scratch) dominate; a step needs
+  // kMinParallelKeys keys x KV heads before it uses the threads. The AVX2 build splits sooner: on a
+  // Zen 3 one thread reads a lone decode's 257-token K/V at a third of what a core reads, and two
+  // parts of 128+ tokens on two threads took 1.9x less time (decode-attention-ab-sweep-s9z.json).
+  constexpr int64_t kMinPartTokens = kAvx512 ? 256 : 128;
+  constexpr int64_t kMinParallelKeys = kAvx512 ? 1024 : 768;
   const int64_t stride = head_dim + 2;
   int64_t keys = 0;
   for (int64_t r = 0; r < rows; ++r) keys += lens[r] * kv_heads;
