@@ -19,7 +19,8 @@ from rackserve.sampling_params import SamplingParams
 from tests.test_model_gguf import write_gguf
 from tests.tiny_models import build_tiny_model, load_hf
 
-WHY_NOT = unavailable_reason()
+# Skipped only where no build runs (a Zen has the avx2 one alone; the tests below pick each build).
+WHY_NOT = None if any(unavailable_reason(isa=isa) is None for isa in ISAS) else unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 9, 11, 300], [300, 12, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
