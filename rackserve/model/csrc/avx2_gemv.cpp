@@ -147,6 +147,85 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
   return _mm256_add_ps(_mm256_add_ps(acc, acc_r), acc_min);
 }
 
+// A multi-row call (tile_rows) takes at most kMaxRows rows of x, fewer where a row's quantized
+// activations are long: the chunk's rows (kChunkBytes in all) stay in L1 while each tile of a group
+// meets them. gemv() takes that path from kManyRows rows up; fewer go row by row through tile_dot.
+constexpr int kMaxRows = 16;
+constexpr int64_t kChunkBytes = 24 << 10;
+constexpr int64_t kManyRows = 5;
+
+// One tile (8 output rows) times `rows` consecutive rows of x from `row` (a prefill chunk), into
+// y's rows y_stride apart: tile_dot's arithmetic, but each block's codes are loaded and unpacked
+// once into 8 registers for all the rows (tile_dot decodes them again for every row: 12 of its ~55
+// vector ops a row and block), and the rows' accumulators live in L1 (16 ymm registers hold the
+// codes and one row's sums, not 16 rows'). Each row is independent of the next, so the
+// out-of-order core overlaps a few rows' chains.
+template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
+inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x, int64_t row, int rows, int64_t k,
+                      float* y, int64_t y_stride) {
+  constexpr int kCodeBytes = kKind == 2 ? 256 : 128;
+  constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  alignas(32) float acc[kMaxRows * kTile];
+  for (int i = 0; i < rows; ++i) _mm256_store_ps(acc + i * kTile, _mm256_setzero_ps());
+  for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
+    // As in tile_dot: on the first rows' pass the weight comes from DRAM (a decode batch).
+    for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
+    __m256i w[8];   // the codes meeting input bytes 4j..4j+3 of each row's block (Q8_0: |q|)
+    if constexpr (kKind == 2) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) w[j] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j)));
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+        w[j] = _mm256_and_si256(v, nibble);
+        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (kKind == 1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes + 16)));
+    for (int i = 0; i < rows; ++i) {
+      const int64_t o = (row + i) * nb + b;
+      const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data() + (row + i) * k + b * kGroup);
+      const int32_t* xr = reinterpret_cast<const int32_t*>(x.r.data() + (row + i) * k + b * kGroup);
+      __m256i s, t;   // sum(code * q), sum(code * r) per output row
+      if constexpr (kKind == 2) {
+        s = t = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), ones));
+          t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones));
+        }
+      } else {
+        // int16 sums as in tile_dot (8 * 2 * 15 * 127 < 2^15), added as a tree: short chains.
+        auto part = [&](const int32_t* p) {
+          __m256i h[4];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j)
+            h[j] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * j], _mm256_set1_epi32(p[2 * j])),
+                                    _mm256_maddubs_epi16(w[2 * j + 1], _mm256_set1_epi32(p[2 * j + 1])));
+          return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(h[0], h[1]), _mm256_add_epi16(h[2], h[3])), ones);
+        };
+        s = part(xq);
+        t = part(xr);
+        if constexpr (kKind == 0) {
+          s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * x.qsum[o]));
+          t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * x.rsum[o]));
+        }
+      }
+      __m256 a = _mm256_load_ps(acc + i * kTile);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[o])), a);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x.dr[o])), a);
+      if constexpr (kKind == 1) a = _mm256_fmadd_ps(m, _mm256_set1_ps(x.fsum[o]), a);
+      _mm256_store_ps(acc + i * kTile, a);
+    }
+  }
+  for (int i = 0; i < rows; ++i) _mm256_storeu_ps(y + i * y_stride, _mm256_load_ps(acc + i * kTile));
+}
+
 template <int kKind>
 void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
           int threads) {
@@ -155,10 +234,29 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work (as
   // vnni_gemv.cpp: 128 output rows a thread at least).
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 16)));
+  if (rows < kManyRows) {
 #pragma omp parallel for num_threads(n) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile = packed + t * nb * kRecBytes;
-    for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* tile = packed + t * nb * kRecBytes;
+      for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
+    }
+    return;
+  }
+  // Many rows (prefill): each thread one run of tiles, in groups whose weights (~256 KB, half a
+  // Zen 3 core's L2) stay in L2 while every chunk of rows passes over them (vnni_gemv.cpp's order).
+  const int64_t group = std::max<int64_t>(1, (256 << 10) / (nb * kRecBytes));
+  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k + 20 * nb), 4, kMaxRows);
+#pragma omp parallel num_threads(n)
+  {
+    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t ta = tiles * id / nt, tb = tiles * (id + 1) / nt;
+    for (int64_t g0 = ta; g0 < tb; g0 += group) {
+      const int64_t g1 = std::min(tb, g0 + group);
+      for (int64_t r = 0; r < rows; r += chunk)
+        for (int64_t t = g0; t < g1; ++t)
+          tile_rows<kKind>(packed + t * nb * kRecBytes, nb, xq, r, static_cast<int>(std::min(chunk, rows - r)), k,
+                           y + r * width + t * kTile, width);
+    }
   }
 }
 
