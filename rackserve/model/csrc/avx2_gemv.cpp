@@ -64,26 +64,44 @@ inline float abs_max(const __m256 v[4]) {
 }
 
 // x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows: into the calling thread's own
-// buffers (quantized_rows.h), kept from call to call.
-const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k) {
+// buffers (quantized_rows.h), kept from call to call. With kFixedResidual (the rows of tile_rows)
+// dr = dx / 2^kResidualBits, as vnni_gemv.cpp's: the two integer sums of a block then join exactly
+// into one (2^kResidualBits sum(code q) + sum(code r)), converted and scaled once; the residual
+// (|x - dx q| <= dx / 2) is clamped to +-127 dr (a tie would round to 128, which int8 cannot hold).
+// Otherwise (tile_dot's few rows) dr = max|residual| / 127.
+constexpr int kResidualBits = 8;
+
+template <bool kFixedResidual>
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
   out.fit(rows, k, kGroup);
+  QuantizedRows& o = out;   // the calling thread's buffers, filled by the team below
+  // A prefill chunk's rows split over the threads (as vnni_gemv.cpp); a decode batch's few blocks
+  // stay on the calling thread, where waking the team would cost more.
+#pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m256 v[4], res[4];
     __m256i q[4], s[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
     const float d = abs_max(v) / 127.f;
-    to_int8(v, d, out.q.data() + b * kGroup, q);
+    to_int8(v, d, o.q.data() + b * kGroup, q);
     for (int i = 0; i < 4; ++i) res[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), v[i]);
-    const float dr = abs_max(res) / 127.f;
-    to_int8(res, dr, out.r.data() + b * kGroup, s);
-    out.dx[b] = d;
-    out.dr[b] = dr;
-    out.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    out.qsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-    out.rsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])));
+    float dr;
+    if constexpr (kFixedResidual) {
+      dr = d * (1.f / (1 << kResidualBits));
+      const __m256 hi = _mm256_set1_ps(127.f * dr), lo = _mm256_set1_ps(-127.f * dr);
+      for (int i = 0; i < 4; ++i) res[i] = _mm256_max_ps(_mm256_min_ps(res[i], hi), lo);
+    } else {
+      dr = abs_max(res) / 127.f;
+    }
+    to_int8(res, dr, o.r.data() + b * kGroup, s);
+    o.dx[b] = d;
+    o.dr[b] = dr;
+    o.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    o.qsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    o.rsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])));
   }
   return out;
 }
@@ -155,17 +173,18 @@ constexpr int64_t kChunkBytes = 24 << 10;
 constexpr int64_t kManyRows = 5;
 
 // One tile (8 output rows) times `rows` consecutive rows of x from `row` (a prefill chunk), into
-// y's rows y_stride apart: tile_dot's arithmetic, but each block's codes are loaded and unpacked
+// y's rows y_stride apart. Against tile_dot, per row and block: the codes are loaded and unpacked
 // once into 8 registers for all the rows (tile_dot decodes them again for every row: 12 of its ~55
-// vector ops a row and block), and the rows' accumulators live in L1 (16 ymm registers hold the
-// codes and one row's sums, not 16 rows'). Each row is independent of the next, so the
-// out-of-order core overlaps a few rows' chains.
+// vector ops), and the two parts' sums join into one (quantize_rows<true>), so one conversion, scale
+// and FMA instead of two. The rows' accumulators live in L1 (16 ymm registers hold the codes and one
+// row's sums, not 16 rows'); each row is independent of the next, so the out-of-order core overlaps
+// a few rows' chains.
 template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
 inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x, int64_t row, int rows, int64_t k,
                       float* y, int64_t y_stride) {
   constexpr int kCodeBytes = kKind == 2 ? 256 : 128;
   constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), shift = _mm256_set1_epi16(1 << kResidualBits);
   alignas(32) float acc[kMaxRows * kTile];
   for (int i = 0; i < rows; ++i) _mm256_store_ps(acc + i * kTile, _mm256_setzero_ps());
   for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
@@ -190,14 +209,15 @@ inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x, in
       const int64_t o = (row + i) * nb + b;
       const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data() + (row + i) * k + b * kGroup);
       const int32_t* xr = reinterpret_cast<const int32_t*>(x.r.data() + (row + i) * k + b * kGroup);
-      __m256i s, t;   // sum(code * q), sum(code * r) per output row
+      __m256i s;   // 2^kResidualBits sum(code * q) + sum(code * r) per output row
       if constexpr (kKind == 2) {
-        s = t = _mm256_setzero_si256();
+        s = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), ones));
-          t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones));
+          s = _mm256_add_epi32(s, _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), shift),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones)));
         }
       } else {
         // int16 sums as in tile_dot (8 * 2 * 15 * 127 < 2^15), added as a tree: short chains.
@@ -207,18 +227,14 @@ inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x, in
           for (int j = 0; j < 4; ++j)
             h[j] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * j], _mm256_set1_epi32(p[2 * j])),
                                     _mm256_maddubs_epi16(w[2 * j + 1], _mm256_set1_epi32(p[2 * j + 1])));
-          return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(h[0], h[1]), _mm256_add_epi16(h[2], h[3])), ones);
+          return _mm256_add_epi16(_mm256_add_epi16(h[0], h[1]), _mm256_add_epi16(h[2], h[3]));
         };
-        s = part(xq);
-        t = part(xr);
-        if constexpr (kKind == 0) {
-          s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * x.qsum[o]));
-          t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * x.rsum[o]));
-        }
+        // vpmaddwd by 2^kResidualBits widens and shifts the q part in one (< 2^24: exact).
+        s = _mm256_add_epi32(_mm256_madd_epi16(part(xq), shift), _mm256_madd_epi16(part(xr), ones));
+        if constexpr (kKind == 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * ((x.qsum[o] << kResidualBits) + x.rsum[o])));
       }
       __m256 a = _mm256_load_ps(acc + i * kTile);
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.dx[o])), a);
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(x.dr[o])), a);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.dr[o])), a);
       if constexpr (kKind == 1) a = _mm256_fmadd_ps(m, _mm256_set1_ps(x.fsum[o]), a);
       _mm256_store_ps(acc + i * kTile, a);
     }
@@ -267,7 +283,8 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = quantize_rows(x, rows, k);
+  const QuantizedRows& xq = rows >= kManyRows ? quantize_rows<true>(x, rows, k, threads)
+                                               : quantize_rows<false>(x, rows, k, threads);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);
