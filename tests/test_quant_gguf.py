@@ -91,6 +91,21 @@ def test_a_native_kernel_splits_a_wide_weight_over_threads_and_tile_groups(kerne
     assert float(err.max()) < TOLERANCE[kernel]
 
 
+@pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+# 88, 80, 72 and 48 output rows: 11, 10, 9 and 6 tiles of 8, i.e. the avx2 many-rows call's 4 tiles
+# at once and its tails of 3, 2 and 1; 21 rows: a chunk of 16 rows and one of 5.
+@pytest.mark.parametrize("out_rows", [88, 80, 72, 48])
+def test_the_avx2_many_rows_path_takes_every_tail_of_tiles_and_rows(qtype, out_rows):
+    blocks, w = random_blocks(qtype, rows=out_rows, cols=576)
+    linear = QUANT_KERNELS.get("avx2")(from_gguf(qtype, blocks))
+    x = torch.randn(21, w.shape[1], generator=torch.Generator().manual_seed(out_rows))
+    x[:, 7] *= 20
+    ref = x @ w.T
+    err = (linear(x) - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert float(err.max()) < TOLERANCE["avx2"]
+
+
 def test_the_kernel_choice_follows_the_cpu_flags_and_the_build(tmp_path):
     from rackserve.model.native import build_library
     (tmp_path / "a-file").write_text("")

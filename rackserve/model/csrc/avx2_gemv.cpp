@@ -64,14 +64,16 @@ inline float abs_max(const __m256 v[4]) {
 }
 
 // x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows: into the calling thread's own
-// buffers (quantized_rows.h), kept from call to call. With kFixedResidual (the rows of tile_rows)
-// dr = dx / 2^kResidualBits, as vnni_gemv.cpp's: the two integer sums of a block then join exactly
-// into one (2^kResidualBits sum(code q) + sum(code r)), converted and scaled once; the residual
-// (|x - dx q| <= dx / 2) is clamped to +-127 dr (a tie would round to 128, which int8 cannot hold).
-// Otherwise (tile_dot's few rows) dr = max|residual| / 127.
+// buffers (quantized_rows.h), kept from call to call. With kManyRows (tile_rows' rows):
+// - dr = dx / 2^kResidualBits, as vnni_gemv.cpp's: the two integer sums of a block then join exactly
+//   into one (2^kResidualBits sum(code q) + sum(code r)), converted and scaled once; the residual
+//   (|x - dx q| <= dx / 2) is clamped to +-127 dr (a tie would round to 128, which int8 cannot hold);
+// - q and r are stored as unsigned bytes q + 128, r + 128: tile_rows' vpmaddubsw side (qsum and
+//   rsum stay those of q and r).
+// Otherwise (tile_dot's few rows) dr = max|residual| / 127 and the bytes are q and r.
 constexpr int kResidualBits = 8;
 
-template <bool kFixedResidual>
+template <bool kManyRows>
 const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
@@ -89,7 +91,7 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
     to_int8(v, d, o.q.data() + b * kGroup, q);
     for (int i = 0; i < 4; ++i) res[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), v[i]);
     float dr;
-    if constexpr (kFixedResidual) {
+    if constexpr (kManyRows) {
       dr = d * (1.f / (1 << kResidualBits));
       const __m256 hi = _mm256_set1_ps(127.f * dr), lo = _mm256_set1_ps(-127.f * dr);
       for (int i = 0; i < 4; ++i) res[i] = _mm256_max_ps(_mm256_min_ps(res[i], hi), lo);
@@ -97,6 +99,12 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
       dr = abs_max(res) / 127.f;
     }
     to_int8(res, dr, o.r.data() + b * kGroup, s);
+    if constexpr (kManyRows) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int8_t* p : {o.q.data() + b * kGroup, o.r.data() + b * kGroup})
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip));
+    }
     o.dx[b] = d;
     o.dr[b] = dr;
     o.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
@@ -165,113 +173,162 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
   return _mm256_add_ps(_mm256_add_ps(acc, acc_r), acc_min);
 }
 
-// A multi-row call (tile_rows) takes at most kMaxRows rows of x, fewer where a row's quantized
-// activations are long: the chunk's rows (kChunkBytes in all) stay in L1 while each tile of a group
-// meets them. gemv() takes that path from kManyRows rows up; fewer go row by row through tile_dot.
+// The many-rows path (a prefill chunk; Q4_0 and Q4_1): tile_rows multiplies kTiles tiles (32
+// output rows) by up to kMaxRows rows of x at once, fewer where a row's quantized activations are
+// long, so that the chunk's rows (kChunkBytes in all) stay in L1 while each tile of a group meets
+// them. gemv() takes it from kManyRows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
+constexpr int kTiles = 4;
 constexpr int kMaxRows = 16;
 constexpr int64_t kChunkBytes = 24 << 10;
 constexpr int64_t kManyRows = 5;
 
-// One tile (8 output rows) times `rows` consecutive rows of x from `row` (a prefill chunk), into
-// y's rows y_stride apart. Against tile_dot, per row and block: the codes are loaded and unpacked
-// once into 8 registers for all the rows (tile_dot decodes them again for every row: 12 of its ~55
-// vector ops), and the two parts' sums join into one (quantize_rows<true>), so one conversion, scale
-// and FMA instead of two. The rows' accumulators live in L1 (16 ymm registers hold the codes and one
-// row's sums, not 16 rows'); each row is independent of the next, so the out-of-order core overlaps
-// a few rows' chains.
-template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
-inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x, int64_t row, int rows, int64_t k,
-                      float* y, int64_t y_stride) {
-  constexpr int kCodeBytes = kKind == 2 ? 256 : 128;
-  constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), shift = _mm256_set1_epi16(1 << kResidualBits);
-  alignas(32) float acc[kMaxRows * kTile];
-  for (int i = 0; i < rows; ++i) _mm256_store_ps(acc + i * kTile, _mm256_setzero_ps());
+// One block of `n` tiles' codes, unpacked once for all the rows of a tile_rows call: the codes as
+// signed bytes c - 8 (Q4_0's w = d (c - 8); Q4_1's d c + m = d (c - 8) + (m + 8 d)), laid out as
+// tile_dot's registers ([tile][j][8 rows x 4 bytes]); per output row -128 * (2^kResidualBits + 1) *
+// sum(c - 8), which takes the activations' +128 offset back out of both parts' joined sums; d; and
+// (Q4_1) m + 8 d, which meets the block's float sum of x.
+struct UnpackedBlock {
+  alignas(32) int8_t codes[kTiles][8][32];
+  alignas(32) int32_t offset[kTiles][kTile];
+  alignas(32) float d[kTiles][kTile], m[kTiles][kTile];
+};
+
+template <int kKind>
+inline void unpack_block(const uint8_t* rec, int64_t tile_bytes, int n, UnpackedBlock& u) {
+  constexpr int kCodeBytes = 128;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int t = 0; t < n; ++t, rec += tile_bytes) {
+    __m256i sum = _mm256_setzero_si256();   // |8 codes - 8| <= 64: int8
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
+      const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(v, nibble), eight);
+      const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), eight);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.codes[t][j]), lo);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.codes[t][j + 4]), hi);
+      sum = _mm256_add_epi8(sum, _mm256_add_epi8(lo, hi));
+    }
+    const __m256i csum = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, sum), ones16);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.offset[t]),
+                       _mm256_mullo_epi32(csum, _mm256_set1_epi32(-128 * ((1 << kResidualBits) + 1))));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
+    _mm256_store_ps(u.d[t], d);
+    if constexpr (kKind == 1) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes + 16)));
+      _mm256_store_ps(u.m[t], _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, m));
+    }
+  }
+}
+
+// kN tiles (kN * 8 output rows, the tiles tile_bytes apart) times `rows` consecutive rows of x from
+// `row` (quantize_rows<true>), into y's rows y_stride apart. Where tile_dot broadcasts each of a
+// row's 4-byte groups for one tile and unpacks the codes for every row, here the codes come unpacked
+// from L1 (unpack_block, once a block for all the rows) as vpmaddubsw's signed side, so each
+// broadcast group (the unsigned side: x + 128) meets kN tiles; the two parts' sums join into one
+// (2^kResidualBits sum q + sum r, the offsets taken out by one add), so one conversion, scale and
+// FMA a tile, row and block instead of two. The rows' accumulators live in L1.
+// Bounds: a pair of u8 x s8 products |2 * 255 * 8| and 8 of them < 2^15 (no int16 saturation);
+// 2^kResidualBits * 32 * 255 * 8 < 2^31.
+template <int kKind, int kN>
+inline void tile_rows(const uint8_t* rec, int64_t tile_bytes, int64_t nb, const QuantizedRows& x, int64_t row,
+                      int rows, int64_t k, float* y, int64_t y_stride) {
+  constexpr int kRecBytes = kKind == 1 ? 160 : 144;
+  const __m256i ones = _mm256_set1_epi16(1), shift = _mm256_set1_epi16(1 << kResidualBits);
+  alignas(32) float acc[kMaxRows][kN * kTile];
+  for (int i = 0; i < rows; ++i)
+    for (int t = 0; t < kN; ++t) _mm256_store_ps(acc[i] + t * kTile, _mm256_setzero_ps());
+  UnpackedBlock u;
   for (int64_t b = 0; b < nb; ++b, rec += kRecBytes) {
     // As in tile_dot: on the first rows' pass the weight comes from DRAM (a decode batch).
-    for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
-    __m256i w[8];   // the codes meeting input bytes 4j..4j+3 of each row's block (Q8_0: |q|)
-    if constexpr (kKind == 2) {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) w[j] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j)));
-    } else {
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
-        w[j] = _mm256_and_si256(v, nibble);
-        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
-    __m256 m = _mm256_setzero_ps();
-    if constexpr (kKind == 1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes + 16)));
+    for (int t = 0; t < kN; ++t)
+      for (int c = 0; c < kRecBytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + t * tile_bytes + kPrefetch + c), _MM_HINT_T0);
+    unpack_block<kKind>(rec, tile_bytes, kN, u);
     for (int i = 0; i < rows; ++i) {
       const int64_t o = (row + i) * nb + b;
       const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data() + (row + i) * k + b * kGroup);
       const int32_t* xr = reinterpret_cast<const int32_t*>(x.r.data() + (row + i) * k + b * kGroup);
-      __m256i s;   // 2^kResidualBits sum(code * q) + sum(code * r) per output row
-      if constexpr (kKind == 2) {
-        s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
-          s = _mm256_add_epi32(s, _mm256_add_epi32(
-              _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v)), shift),
-              _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v)), ones)));
-        }
-      } else {
-        // int16 sums as in tile_dot (8 * 2 * 15 * 127 < 2^15), added as a tree: short chains.
-        auto part = [&](const int32_t* p) {
-          __m256i h[4];
+      // The codes are read from L1 by each row's vpmaddubsw (a memory operand): the empty asm keeps
+      // GCC from hoisting 32 code vectors out of the row loop into spilled copies of themselves.
+      const int8_t* codes = u.codes[0][0];
+      asm("" : "+r"(codes));
+      __m256i s[kN], t16[kN];
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j)
-            h[j] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * j], _mm256_set1_epi32(p[2 * j])),
-                                    _mm256_maddubs_epi16(w[2 * j + 1], _mm256_set1_epi32(p[2 * j + 1])));
-          return _mm256_add_epi16(_mm256_add_epi16(h[0], h[1]), _mm256_add_epi16(h[2], h[3]));
-        };
-        // vpmaddwd by 2^kResidualBits widens and shifts the q part in one (< 2^24: exact).
-        s = _mm256_add_epi32(_mm256_madd_epi16(part(xq), shift), _mm256_madd_epi16(part(xr), ones));
-        if constexpr (kKind == 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * ((x.qsum[o] << kResidualBits) + x.rsum[o])));
+      for (int t = 0; t < kN; ++t) s[t] = t16[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256i bq = _mm256_set1_epi32(xq[j]), br = _mm256_set1_epi32(xr[j]);
+#pragma GCC unroll 4
+        for (int t = 0; t < kN; ++t) {
+          __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes + (t * 8 + j) * 32));
+          asm("" : "+x"(w));   // one load for both parts (GCC would fold it into each vpmaddubsw)
+          s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(bq, w));
+          t16[t] = _mm256_add_epi16(t16[t], _mm256_maddubs_epi16(br, w));
+          // Each sum a chain in a register: unfenced, GCC reassociates the 8 adds into a tree whose
+          // 64 products, all live at once, spill.
+          asm("" : "+x"(s[t]), "+x"(t16[t]));
+        }
       }
-      __m256 a = _mm256_load_ps(acc + i * kTile);
-      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(x.dr[o])), a);
-      if constexpr (kKind == 1) a = _mm256_fmadd_ps(m, _mm256_set1_ps(x.fsum[o]), a);
-      _mm256_store_ps(acc + i * kTile, a);
+      const __m256 dr = _mm256_set1_ps(x.dr[o]);
+      __m256 fsum;
+      if constexpr (kKind == 1) fsum = _mm256_set1_ps(x.fsum[o]);
+#pragma GCC unroll 4
+      for (int t = 0; t < kN; ++t) {
+        const __m256i joined = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(s[t], shift), _mm256_madd_epi16(t16[t], ones)),
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(u.offset[t])));
+        __m256 a = _mm256_load_ps(acc[i] + t * kTile);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(joined), _mm256_mul_ps(_mm256_load_ps(u.d[t]), dr), a);
+        if constexpr (kKind == 1) a = _mm256_fmadd_ps(_mm256_load_ps(u.m[t]), fsum, a);
+        _mm256_store_ps(acc[i] + t * kTile, a);
+      }
     }
   }
-  for (int i = 0; i < rows; ++i) _mm256_storeu_ps(y + i * y_stride, _mm256_load_ps(acc + i * kTile));
+  for (int i = 0; i < rows; ++i)
+    for (int t = 0; t < kN; ++t) _mm256_storeu_ps(y + i * y_stride + t * kTile, _mm256_load_ps(acc[i] + t * kTile));
 }
 
 template <int kKind>
 void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
           int threads) {
   constexpr int64_t kRecBytes = kKind == 2 ? 272 : (kKind == 1 ? 160 : 144);
-  const int64_t nb = k / kGroup, width = tiles * kTile;
+  const int64_t nb = k / kGroup, width = tiles * kTile, tile_bytes = nb * kRecBytes;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work (as
   // vnni_gemv.cpp: 128 output rows a thread at least).
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 16)));
-  if (rows < kManyRows) {
+  if (kKind == 2 || rows < kManyRows) {
 #pragma omp parallel for num_threads(n) schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
-      const uint8_t* tile = packed + t * nb * kRecBytes;
+      const uint8_t* tile = packed + t * tile_bytes;
       for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(y + r * width + t * kTile, tile_dot<kKind>(tile, nb, xq, r, k));
     }
     return;
   }
-  // Many rows (prefill): each thread one run of tiles, in groups whose weights (~256 KB, half a
-  // Zen 3 core's L2) stay in L2 while every chunk of rows passes over them (vnni_gemv.cpp's order).
-  const int64_t group = std::max<int64_t>(1, (256 << 10) / (nb * kRecBytes));
-  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k + 20 * nb), 4, kMaxRows);
+  if constexpr (kKind != 2) {
+    // Many rows: each thread one run of tiles, in groups whose weights (~256 KB, half a Zen 3 core's
+    // L2) stay in L2 while every chunk of rows passes over them (vnni_gemv.cpp's order).
+    const int64_t group = std::max<int64_t>(kTiles, (256 << 10) / tile_bytes / kTiles * kTiles);
+    const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (2 * k + 8 * nb), 4, kMaxRows);
 #pragma omp parallel num_threads(n)
-  {
-    const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t ta = tiles * id / nt, tb = tiles * (id + 1) / nt;
-    for (int64_t g0 = ta; g0 < tb; g0 += group) {
-      const int64_t g1 = std::min(tb, g0 + group);
-      for (int64_t r = 0; r < rows; r += chunk)
-        for (int64_t t = g0; t < g1; ++t)
-          tile_rows<kKind>(packed + t * nb * kRecBytes, nb, xq, r, static_cast<int>(std::min(chunk, rows - r)), k,
-                           y + r * width + t * kTile, width);
+    {
+      const int64_t id = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t ta = tiles * id / nt, tb = tiles * (id + 1) / nt;
+      for (int64_t g0 = ta; g0 < tb; g0 += group) {
+        const int64_t g1 = std::min(tb, g0 + group);
+        for (int64_t r = 0; r < rows; r += chunk) {
+          const int cr = static_cast<int>(std::min(chunk, rows - r));
+          for (int64_t t = g0; t < g1; t += kTiles) {
+            const uint8_t* rec = packed + t * tile_bytes;
+            float* out = y + r * width + t * kTile;
+            switch (std::min<int64_t>(kTiles, g1 - t)) {
+              case 1: tile_rows<kKind, 1>(rec, tile_bytes, nb, xq, r, cr, k, out, width); break;
+              case 2: tile_rows<kKind, 2>(rec, tile_bytes, nb, xq, r, cr, k, out, width); break;
+              case 3: tile_rows<kKind, 3>(rec, tile_bytes, nb, xq, r, cr, k, out, width); break;
+              default: tile_rows<kKind, kTiles>(rec, tile_bytes, nb, xq, r, cr, k, out, width); break;
+            }
+          }
+        }
+      }
     }
   }
 }
@@ -283,8 +340,8 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = rows >= kManyRows ? quantize_rows<true>(x, rows, k, threads)
-                                               : quantize_rows<false>(x, rows, k, threads);
+  const QuantizedRows& xq = kind != 2 && rows >= kManyRows ? quantize_rows<true>(x, rows, k, threads)
+                                                            : quantize_rows<false>(x, rows, k, threads);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);
