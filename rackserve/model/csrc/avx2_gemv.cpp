@@ -175,11 +175,12 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
 
 // The many-rows path (a prefill chunk; Q4_0 and Q4_1): tile_rows multiplies kTiles tiles (32
 // output rows) by up to kMaxRows rows of x at once, fewer where a row's quantized activations are
-// long, so that the chunk's rows (kChunkBytes in all) stay in L1 while each tile of a group meets
-// them. gemv() takes it from kManyRows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
+// long, so that the chunk's rows (kChunkBytes in all) stay in L1 or close while each tile of a group
+// meets them (2 tiles a call measured 0.79-1.00x 4 on Zen 3, bench/results/avx2-gemm-ab-*-s9z.json).
+// gemv() takes it from kManyRows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
 constexpr int kTiles = 4;
 constexpr int kMaxRows = 16;
-constexpr int64_t kChunkBytes = 24 << 10;
+constexpr int64_t kChunkBytes = 48 << 10;   // 24 KB: 576x1536 at 64-512 rows 0.92x (7 rows a call, not 14)
 constexpr int64_t kManyRows = 5;
 
 // One block of `n` tiles' codes, unpacked once for all the rows of a tile_rows call: the codes as

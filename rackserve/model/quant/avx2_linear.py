@@ -7,6 +7,8 @@ bytes, the same bytes per weight as the GGUF file. This file must never read che
 """
 from __future__ import annotations
 
+import sys
+
 from rackserve.model.quant.quantized_linear import QUANT_KERNELS
 from rackserve.model.quant.vnni_linear import VnniLinear
 
@@ -14,6 +16,8 @@ from rackserve.model.quant.vnni_linear import VnniLinear
 @QUANT_KERNELS.register("avx2")
 class Avx2Linear(VnniLinear):
     isa, gemv, tile, signed_q8 = "avx2", "rs_avx2_gemv", 8, True
-    # Against dequantize + dense fp32 GEMM for a 3072x576 Q4_1 weight, one thread, CPU time, on
-    # the AVX-512 Xeon (a Zen was not at hand): 2.4x at 128 rows, 1.5x at 256, 0.78x at 512.
-    dense_above_rows = 256
+    # Never dense: on a Zen 3 (2 threads) the many-rows tile call ran 1.1-3.2x torch's fp32 GEMM of
+    # SmolLM2's four weights already dequantized at 8-256 rows and 0.89-1.6x at 512, 1.1-2.3x there
+    # once the dequantization a dense call pays is counted (bench/results/avx2-gemm-ab-main-v3-dense-s9z.json).
+    # (The per-row kernel had lost to it above 256 rows on the AVX-512 Xeon.)
+    dense_above_rows = sys.maxsize
