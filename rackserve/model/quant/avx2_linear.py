@@ -17,7 +17,7 @@ from rackserve.model.quant.vnni_linear import VnniLinear
 class Avx2Linear(VnniLinear):
     isa, gemv, tile, signed_q8 = "avx2", "rs_avx2_gemv", 8, True
     # Never dense: on a Zen 3 (2 threads) the many-rows tile call ran 1.1-3.2x torch's fp32 GEMM of
-    # SmolLM2's four weights already dequantized at 8-256 rows and 0.89-1.6x at 512, 1.1-2.3x there
+    # SmolLM2's four weights already dequantized at 8-256 rows and 0.89-1.6x at 512, 1.1-2.05x there
     # once the dequantization a dense call pays is counted (bench/results/avx2-gemm-ab-main-v3-dense-s9z.json).
     # (The per-row kernel had lost to it above 256 rows on the AVX-512 Xeon.)
     dense_above_rows = sys.maxsize
