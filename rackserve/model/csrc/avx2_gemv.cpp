@@ -1,6 +1,6 @@
-// y = x W^T for GGUF Q4_0 / Q4_1 / Q8_0 weights, for a few rows of x (decode), with AVX2 + FMA +
-// F16C: vnni_gemv.cpp's method and numerics for CPUs without AVX-512 (AMD Zen 2/3, Intel before
-// Ice Lake), built only into the "avx2" library (model/native.py).
+// y = x W^T for GGUF Q4_0 / Q4_1 / Q8_0 weights, a decode batch's rows or a prefill chunk's, with
+// AVX2 + FMA + F16C: vnni_gemv.cpp's method and numerics for CPUs without AVX-512 (AMD Zen 2/3,
+// Intel before Ice Lake), built only into the "avx2" library (model/native.py).
 //
 // Each block of 32 of a row of x is written as dx * q + dr * r (two int8 parts, with their integer
 // sums and the block's float sum) exactly as there. AVX2 has no vpdpbusd; its sum of four u8 x s8
@@ -14,7 +14,8 @@
 //   d[8] fp16, then (Q4_1) m[8] fp16,
 // and a block's product is d * (dx * (sum(code q) - 8 sum(q)) + dr * (sum(code r) - 8 sum(r)))
 // for Q4_0, d * (dx sum(code q) + dr sum(code r)) (+ m * sum(x) for Q4_1) otherwise: GGUF's
-// numerics. quant/avx2_linear.py packs the records and calls rs_avx2_gemv through ctypes.
+// numerics. From 5 rows on, Q4_* take tile_rows instead (4 tiles a call, codes unpacked once; below).
+// quant/avx2_linear.py packs the records and calls rs_avx2_gemv through ctypes.
 // This file must never allocate or own weights.
 #include <immintrin.h>
 #include <omp.h>
