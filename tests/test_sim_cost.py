@@ -306,7 +306,7 @@ def test_a_calibration_records_the_kernels_the_engine_ran(smollm2_gguf):
 
     from rackserve.bench.engine_kernels import engine_kernels
     from rackserve.config import ModelConfig
-    from rackserve.model.native import unavailable_reason
+    from rackserve.model.native import choose_isa
     from rackserve.model.quant.kernel_choice import choose_quant_kernel
     from rackserve.model.quant.quantized_linear import QUANT_KERNELS
     from rackserve.sim.calibrate import _as_measured, calibrated_spec, fit
@@ -317,7 +317,7 @@ def test_a_calibration_records_the_kernels_the_engine_ran(smollm2_gguf):
         kernels = engine_kernels(model)
         name = choose_quant_kernel().name if quant_kernel == "auto" else "int4"
         assert kernels == {"quant_kernel": name, "dense_above_rows": QUANT_KERNELS.get(name).dense_above_rows,
-                           "native_decode_attention": unavailable_reason() is None}
+                           "native_decode_attention": choose_isa().isa != "none"}   # avx2 on a Zen
         weight_bytes = 0.7 * (base.dense_params_per_token + base.lm_head_params)
         result = {"settings": {"A": {"dtype": "float32", "cost": {"weight_bytes": weight_bytes}, "kernels": kernels}}}
         spec = calibrated_spec(base, _as_measured(base, result))
@@ -350,7 +350,8 @@ def test_a_backend_that_pads_decodes_prices_each_at_the_longest_context():
 
 def test_the_native_decode_attentions_busiest_thread_sets_the_decodes_pace():
     """csrc/paged_decode_attention.cpp's split, by hand: under 1,024 keys (tokens x KV heads) one
-    thread does it all; a long context is cut into parts of >= 256 tokens, about two per thread,
+    thread does it all; a long context is cut into parts of >= 256 tokens, about two per thread
+    (768 and 128 in the avx2 build),
     handed out in contiguous runs (OpenMP static), so one long row beside a short one puts both of
     the long row's halves on the first thread. Prompt chunks are not split by it."""
     import dataclasses
@@ -360,6 +361,9 @@ def test_the_native_decode_attentions_busiest_thread_sets_the_decodes_pace():
     assert decode_attention_imbalance([3000, 200], kv_heads=3, threads=2) == 3000 * 2 / 3200
     assert decode_attention_imbalance([700, 300], kv_heads=3, threads=2) == 700 * 2 / 1000   # one part each
     assert decode_attention_imbalance([3000, 200], kv_heads=3, threads=1) == 1.0
+    # The avx2 build splits sooner: from 768 keys, parts of >= 128 tokens.
+    assert decode_attention_imbalance([200], kv_heads=3, threads=2, isa="avx2") == 2.0    # 600 keys
+    assert decode_attention_imbalance([257], kv_heads=3, threads=2, isa="avx2") == 129 * 2 / 257   # 128 + 129
     spec = load_model_spec("smollm2-135m-instruct")
     even = dataclasses.replace(load_hardware("cpu"), pads_decodes=False, decode_attn_threads=0)
     split = dataclasses.replace(even, decode_attn_threads=2)

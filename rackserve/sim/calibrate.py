@@ -116,11 +116,12 @@ def check(path: str, side: str, spec: ModelSpec, hw: Hardware) -> list[dict]:
 
 
 def _cpu(flops: float, bw: float, eff: dict[str, float], overheads: tuple[float, float], source: str,
-         pads_decodes: bool = True, decode_scale: float = 1.0, decode_attn_threads: int = 0) -> Hardware:
+         pads_decodes: bool = True, decode_scale: float = 1.0, decode_attn_threads: int = 0,
+         decode_attn_isa: str = "avx512") -> Hardware:
     return Hardware("cpu", {"fp32": flops, "bf16": flops}, bw, 64e9, bw, bw, 1, link_latency=50e-6,
                     step_overhead=overheads[0], seq_overhead=overheads[1], overlap=False, efficiency=dict(eff),
                     source=source, pads_decodes=pads_decodes, decode_scale=decode_scale,
-                    decode_attn_threads=decode_attn_threads)
+                    decode_attn_threads=decode_attn_threads, decode_attn_isa=decode_attn_isa)
 
 
 def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], float]]) -> float:
@@ -130,12 +131,13 @@ def _error(spec: ModelSpec, hw: Hardware, points: Sequence[tuple[list[SeqWork], 
 
 def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: float, bw: float,
         source: str = "", pads_decodes: bool = True, native_decode_step: bool = False,
-        decode_attn_threads: int = 0) -> Hardware:
+        decode_attn_threads: int = 0, decode_attn_isa: str = "avx512") -> Hardware:
     """The cpu device whose cost model best matches the measured points (and, for packed weights,
     the packed kernel's own rate, from the points of up to its dense threshold's rows).
     `pads_decodes`: whether the measured engine's decode attention padded to the longest decode;
     `native_decode_step`: whether it ran steps of decodes in one native call (their own factor);
-    `decode_attn_threads`: the threads its native decode attention split decodes over (0: none)."""
+    `decode_attn_threads`: the threads its native decode attention split decodes over (0: none), in
+    `decode_attn_isa`'s build of the native library."""
     packed = (packed_class(spec.packed_kernel),) if spec.dequantize_above_tokens is not None else ()
     classes = FITTED + packed
     params = {**{k: 0.5 for k in classes}, "step_overhead": 0.005, "seq_overhead": 0.001}
@@ -144,7 +146,7 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
 
     def device(p: dict[str, float]) -> Hardware:
         return _cpu(flops, bw, {k: p[k] for k in classes}, (p["step_overhead"], p["seq_overhead"]), source,
-                    pads_decodes, p.get("decode_scale", 1.0), decode_attn_threads)
+                    pads_decodes, p.get("decode_scale", 1.0), decode_attn_threads, decode_attn_isa)
 
     best = _error(spec, device(params), points)
     step = 2.0
@@ -182,9 +184,12 @@ def fit_forward_results(results: Sequence[dict], model: str, source: str,
     as_measured["native_decode_step"] = native_step
     # The native decode attention's threads: those bench forward ran with (its limits' threads).
     threads = statistics.median(r["limits"]["A"].get("threads", 1) for r in results)
+    # ...and the build they ran ("avx2-<digest>" in engine_code; avx512 where it predates the record).
+    library = next(((r["settings"]["A"].get("engine_code") or {}).get("native_library") for r in results), None)
     hw = fit(spec, points, flops, bw, source, pads_decodes=not as_measured["native_decode_attention"],
              native_decode_step=native_step,
-             decode_attn_threads=int(threads) if as_measured["native_decode_attention"] else 0)
+             decode_attn_threads=int(threads) if as_measured["native_decode_attention"] else 0,
+             decode_attn_isa=(library or "avx512").split("-")[0])
     model_ = CostModel(spec, hw)
     measured = [{"batch_size": len(b), "new_tokens": sum(w.new_tokens for w in b) // len(b),
                  "context_len": max(w.context for w in b), "measured_s": t, "simulated_s": model_.step([b]).seconds}

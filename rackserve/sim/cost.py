@@ -129,7 +129,8 @@ class CostModel:
         decodes = [w.context for w in batch if w.new_tokens == 1]
         longest_decode = max(decodes) if self.hw.pads_decodes and len(decodes) > 1 else 0
         # A CPU's native decode attention: its busiest thread sets the decodes' pace.
-        imbalance = (decode_attention_imbalance([c + 1 for c in decodes], s.num_kv_heads, self.hw.decode_attn_threads)
+        imbalance = (decode_attention_imbalance([c + 1 for c in decodes], s.num_kv_heads, self.hw.decode_attn_threads,
+                                                 isa=self.hw.decode_attn_isa)
                      if self.hw.decode_attn_threads and decodes else 1.0)
         for w in batch:
             if w.new_tokens == 1 and longest_decode:   # padded to the longest decode, then masked

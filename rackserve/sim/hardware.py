@@ -60,6 +60,8 @@ class Hardware:
     # Threads the native decode attention splits a step's decodes over (sim/cpu_attention.py: its
     # busiest thread sets the pace); 0 where the cost model prices decode attention as evenly shared.
     decode_attn_threads: int = 0
+    # The native library's build those threads ran (its split rule differs: sim/cpu_attention.RULES).
+    decode_attn_isa: str = "avx512"
     # Whether compute and memory traffic overlap within an op (GPUs: time = max of the two); a CPU
     # core mostly waits for one, then the other (time = their sum).
     overlap: bool = True
