@@ -44,3 +44,11 @@ def test_chat_goes_with_the_rendered_conversation(tokenizer):
 ])
 def test_what_the_router_cannot_tokenize_goes_on_as_it_came(tokenizer, path, body):
     assert render(tokenizer, path, body).body is body
+
+
+def test_a_conversation_rendered_past_the_instances_bound_goes_on_untokenized(tokenizer, monkeypatch):
+    """Its messages pass the character bound, its rendered text does not: the router's tokenizer
+    is not spent on it (the instance refuses it in its own words)."""
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a prompt known not to fit"))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * (tokenizer.max_token_chars - 1)}] * 4}
+    assert render(tokenizer, "/v1/chat/completions", body, max_len=4).body is body

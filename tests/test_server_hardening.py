@@ -328,3 +328,25 @@ def test_text_offset_advances_by_each_token_text_as_vllm(server):
     # RequestOutputCollector does): within a chunk the offsets still advance by each token's text.
     offsets = [e["choices"][0]["logprobs"]["text_offset"] for e in events]
     assert sum(len(o) for o in offsets) == 3 and all(o == [10 * i for i in range(len(o))] for o in offsets)
+
+
+def test_a_conversation_or_ids_past_the_context_are_refused_before_any_work(server):
+    """Before: a chat of many empty messages passed the character bound (its texts are empty), so
+    the template rendered it and the tokenizer held the GIL over the result: 300k messages (14 MB)
+    stalled every other stream 10 s before the engine's 400. /tokenize rendered it too, and
+    /detokenize decoded any number of ids. More messages than the context has tokens, or more ids,
+    are now refused at once, naming the count."""
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    empty = [{"role": "user", "content": ""}] * 100_000
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=empty, max_tokens=2)
+    error = refused.value.body
+    assert error["param"] == "messages" and "of 100000 messages" in error["message"], error
+    resp = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": empty}, timeout=60)
+    assert resp.status_code == 400 and "of 100000 messages" in resp.json()["error"]["message"], resp.text[:300]
+    resp = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [5] * (MAX_MODEL_LEN + 1)})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens", resp.text[:300]
+    ok = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [5] * MAX_MODEL_LEN})
+    assert ok.status_code == 200
+    assert client.chat.completions.create(model=MODEL, messages=empty[:3], max_tokens=2).choices

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
 from rackserve.config import smollm2_gguf_path
-from rackserve.engine.tokenizer import load_tokenizer
+from rackserve.engine.tokenizer import PromptTooLongError, load_tokenizer
 from tests.tokenizer_utils import save_test_gguf_tokenizer, save_test_tokenizer
 
 TEXTS = [
@@ -154,3 +156,37 @@ def test_hf_directory_generation_config_eos_and_template_json(tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(ids, skip_special_tokens=False) == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil(smollm2):
+    """Before: Tokenizer.encode held the GIL for the whole Rust call, so a long prompt tokenized
+    in a worker thread stalled the server's event loop and engine thread (a chat of 300k empty
+    messages: 2.1M tokens, seconds). Another thread now runs while it tokenizes."""
+    text = "1" * 200_000   # a token a digit: ~1 s on a Zen 3 vCPU, niced
+    started, ticks = threading.Event(), []
+
+    def tokenize() -> None:
+        started.set()
+        assert len(smollm2.encode(text, add_special_tokens=False)) == len(text)
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    started.wait()
+    while worker.is_alive():
+        time.sleep(0.001)
+        ticks.append(1)
+    worker.join()
+    assert len(ticks) >= 10, f"this thread ran {len(ticks)} times while the text was tokenized"
+
+
+def test_a_conversation_that_cannot_fit_is_refused_before_it_is_tokenized(smollm2, monkeypatch):
+    """Its message count before rendering (a token a message at least), its rendered text before
+    tokenizing (check_fits' bound): neither spends the tokenizer on it."""
+    with pytest.raises(PromptTooLongError, match="of 9 messages"):
+        smollm2.check_messages_fit(9, 8)
+    smollm2.check_messages_fit(8, 8)
+    monkeypatch.setattr(smollm2, "encode", lambda *a, **k: pytest.fail("tokenized a prompt known not to fit"))
+    # Each message's text passes the character bound by itself; with its role markers it does not.
+    content = "x" * (smollm2.max_token_chars - 1)
+    with pytest.raises(PromptTooLongError, match="characters"):
+        smollm2.apply_chat_template([{"role": "user", "content": content}] * 8, max_len=8)

@@ -76,11 +76,6 @@ class LLMEngine:
         max_len = self.config.model.max_model_len
         if not token_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.core.executor.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         if len(token_ids) >= max_len:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, your "
                              f"prompt has {len(token_ids)} tokens, which leaves no room for output. "
@@ -90,6 +85,11 @@ class LLMEngine:
                              f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in "
                              f"the prompt, {params.max_tokens} in the completion). Please reduce the "
                              "length of the prompt or max_tokens.")
+        vocab = self.core.executor.vocab_size   # after the length: a prompt of millions of ids is not scanned
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         dp_size = self.config.parallel.data_parallel_size
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < dp_size:
             raise ValueError(f"data_parallel_rank={data_parallel_rank}; this instance has DP ranks 0..{dp_size - 1}")

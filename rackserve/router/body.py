@@ -34,6 +34,12 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def prompt_messages(path: str, body: dict[str, Any]) -> int:
+    """Messages in a chat body (Tokenizer.check_messages_fit bounds them before rendering); 0 else."""
+    messages = body.get("messages") if path.endswith("chat/completions") else None
+    return len(messages) if isinstance(messages, list) else 0
+
+
 def prompt_chars(path: str, body: dict[str, Any]) -> int:
     """Characters of text the prompt(s) hold, as the instances bound them before tokenizing
     (Tokenizer.check_fits): message contents for chat, the text prompts for completions."""

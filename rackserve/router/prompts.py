@@ -24,13 +24,16 @@ class Rendered(NamedTuple):
     body: dict                # what to forward
 
 
-def render(tokenizer: Tokenizer | None, path: str, body: dict) -> Rendered:
+def render(tokenizer: Tokenizer | None, path: str, body: dict, max_len: int | None = None) -> Rendered:
+    """`max_len`: the instances' longest context; a conversation whose rendered text cannot fit
+    it is forwarded untokenized (Tokenizer.apply_chat_template's bound)."""
     if tokenizer is None:
         return Rendered([], body)
     try:
         if path.endswith("chat/completions"):
             request = ChatCompletionRequest.model_validate(body)
-            ids = request.prompt_token_ids or tokenizer.apply_chat_template(request.chat_messages())
+            ids = request.prompt_token_ids or tokenizer.apply_chat_template(request.chat_messages(),
+                                                                            max_len=max_len)
             return Rendered(ids, {**body, "prompt_token_ids": ids})
         prompts = CompletionRequest.model_validate(body).prompts()
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
 from rackserve.router import BOTH
-from rackserve.router.body import parse_body, prompt_chars
+from rackserve.router.body import parse_body, prompt_chars, prompt_messages
 from rackserve.router.disagg import forward_disaggregated
 from rackserve.router.load import uncached_prefill_blocks
 from rackserve.router.policies import RoutingPolicy
@@ -57,10 +57,10 @@ class RouterFront:
     async def forward(self, path: str, raw: bytes) -> Response:
         try:
             body = parse_body(raw)
-            self._check_fits(path, body)
+            max_len = self._check_fits(path, body)
         except OpenAIError as e:
             return error_response(e)
-        token_ids, body = await asyncio.to_thread(render, self.tokenizer, path, body)
+        token_ids, body = await asyncio.to_thread(render, self.tokenizer, path, body, max_len)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         if self.router.disaggregated:
             return await forward_disaggregated(self, path, body, token_ids, salt)
@@ -107,15 +107,18 @@ class RouterFront:
                 continue
             return response
 
-    def _check_fits(self, path: str, body: dict) -> None:
+    def _check_fits(self, path: str, body: dict) -> int | None:
         """Refuse, as the instances would, a prompt longer than any instance's context can hold,
-        before the router's tokenizer spends seconds (and the GIL) on it."""
+        before the router's tokenizer spends seconds on it; the longest context (None: unknown)."""
         limits = [i.info["max_model_len"] for i in self.router.healthy if "max_model_len" in i.info]
-        if self.tokenizer is not None and limits:
-            try:
-                self.tokenizer.check_fits(prompt_chars(path, body), max(limits))
-            except ValueError as e:
-                raise OpenAIError(str(e), param="messages" if "chat" in path else "prompt") from None
+        if self.tokenizer is None or not limits:
+            return None
+        try:
+            self.tokenizer.check_messages_fit(prompt_messages(path, body), max(limits))
+            self.tokenizer.check_fits(prompt_chars(path, body), max(limits))
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages" if "chat" in path else "prompt") from None
+        return max(limits)
 
     async def _send(self, instance: Instance, path: str, body: dict, request_id: str) -> Response:
         """The instance's answer; raises on a connection that fails before the first token."""

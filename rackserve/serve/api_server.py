@@ -45,6 +45,7 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
     checks `api_key` when one is given."""
     limits = limits or ServerLimits()
     model_name = engine.config.model.served_model_name
+    max_messages = {"max_messages": engine.config.model.max_model_len}   # parse_request's context
     completions = OpenAIServingCompletion(engine, model_name, limits)
     chat = OpenAIServingChat(engine, model_name, limits)
     tokenization = OpenAIServingTokenization(engine, model_name, limits)
@@ -116,12 +117,13 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        request = parse_request(ChatCompletionRequest, await read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(ChatCompletionRequest, await read_body(raw, limits.max_request_body_bytes),
+                                max_messages)
         return await _respond(raw, chat.create_chat_completion(request, raw.state.request_id))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        request = parse_request(TokenizeRequest, await read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(TokenizeRequest, await read_body(raw, limits.max_request_body_bytes), max_messages)
         return _json(await tokenization.tokenize(request))
 
     @app.post("/detokenize")

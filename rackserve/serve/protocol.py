@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from rackserve.sampling_params import SamplingParams
 
@@ -25,6 +26,19 @@ NOT_HONOURED = ("response_format", "structured_outputs", "guided_json", "guided_
 FAIL_FAST = Field(fail_fast=True)
 Ids = Annotated[list[int], FAIL_FAST]
 Strs = Annotated[list[str], FAIL_FAST]
+
+
+def at_most_max_messages(messages: Any, info: ValidationInfo) -> Any:
+    """A list of more messages than the validation context's `max_messages` (the context length:
+    a template writes a token a message at least) is refused before a message model is built:
+    424k empty messages took 2.2 s of the event loop to build, niced, before the count refused them."""
+    limit = (info.context or {}).get("max_messages")
+    if limit is not None and isinstance(messages, list) and len(messages) > limit:
+        raise PydanticCustomError("too_long", "a conversation of {count} messages is longer than this model's "
+                                  "maximum context length of {limit} tokens (a chat template writes at least "
+                                  "one token for each message); send fewer messages",
+                                  {"count": len(messages), "limit": limit})
+    return messages
 
 
 class OpenAIBaseModel(BaseModel):
@@ -183,6 +197,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
+
+    _bounded = field_validator("messages", mode="before")(at_most_max_messages)
 
     def unsupported(self) -> str | None:
         if self.tools:

@@ -33,10 +33,11 @@ async def read_body(raw: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_request(model: type[BaseModel], body: bytes) -> Any:
-    """`body` as a `model`; raises OpenAIError (400) naming what is wrong."""
+def parse_request(model: type[BaseModel], body: bytes, context: dict | None = None) -> Any:
+    """`body` as a `model` (`context`: the validation context, e.g. max_messages); raises
+    OpenAIError (400) naming what is wrong."""
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body, context=context)
     except ValidationError as e:
         errors = e.errors(include_url=False)
         raise OpenAIError(_describe(errors), param=_param(errors[0])) from None
@@ -59,6 +60,13 @@ def _describe(errors: list[dict]) -> str:
         elif not where:
             parts.append(f"the request body: {error['msg']}")
         else:
-            parts.append(f"'{where}': {error['msg']} (got {json.dumps(error['input'])[:80]})")
+            parts.append(f"'{where}': {error['msg']} (got {_preview(error['input'])})")
     more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
     return "invalid request: " + "; ".join(parts) + more
+
+
+def _preview(value: Any) -> str:
+    """At most 80 characters of a value's JSON, without writing out a whole list of 424k items."""
+    if isinstance(value, list) and len(value) > 80:
+        value = value[:80]
+    return json.dumps(value)[:80]

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from rackserve.engine.tokenizer import PromptTooLongError
 from rackserve.outputs import Logprob
 from rackserve.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                       ChatCompletionResponseChoice, ChatCompletionStreamChoice,
@@ -36,15 +37,18 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("messages is empty; send at least one message", param="messages")
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = request.chat_messages()
-        try:   # the context bound needs no rendering: a huge conversation is refused at once
-            self.tokenizer.check_fits(sum(len(m["content"]) for m in messages),
-                                      self.engine.config.model.max_model_len)
+        max_len = self.engine.config.model.max_model_len
+        try:   # the context bounds need no rendering: a huge conversation is refused at once
+            self.tokenizer.check_messages_fit(len(request.messages), max_len)
+            messages = request.chat_messages()
+            self.tokenizer.check_fits(sum(len(m["content"]) for m in messages), max_len)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         try:   # off the event loop: a long conversation must not stall other connections
-            prompt = request.prompt_token_ids or await asyncio.to_thread(self.tokenizer.apply_chat_template,
-                                                                         messages)
+            prompt = request.prompt_token_ids or await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, max_len=max_len)
+        except PromptTooLongError as e:   # its rendered text: refused before it is tokenized
+            raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # the template rejects a conversation (e.g. roles out of order)
             raise OpenAIError(f"the chat template could not render these messages: {e}",
                               param="messages") from None

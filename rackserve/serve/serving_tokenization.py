@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Annotated
 
-from rackserve.serve.protocol import FAIL_FAST, ChatMessage, Ids, OpenAIBaseModel
+from pydantic import field_validator
+
+from rackserve.engine.tokenizer import PromptTooLongError
+from rackserve.serve.protocol import FAIL_FAST, ChatMessage, Ids, OpenAIBaseModel, at_most_max_messages
 from rackserve.serve.serving_engine import OpenAIError, OpenAIServing
 
 if TYPE_CHECKING:
@@ -26,6 +29,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False     # also the tokens' vocabulary strings ("Ġword" in byte-level BPE)
+
+    _bounded = field_validator("messages", mode="before")(at_most_max_messages)
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -51,9 +56,11 @@ class OpenAIServingTokenization(OpenAIServing):
         tokenizer = self._tokenizer()
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("send exactly one of 'prompt' (text) and 'messages' (a chat)", param="prompt")
-        texts = [request.prompt] if request.prompt is not None else [m.text() for m in request.messages]
-        try:   # a text no context could hold is refused before it is tokenized (and held) whole
-            tokenizer.check_fits(sum(map(len, texts)), self.engine.config.model.max_model_len)
+        max_len = self.engine.config.model.max_model_len
+        try:   # a text no context could hold is refused before it is rendered, tokenized and held whole
+            tokenizer.check_messages_fit(len(request.messages or ()), max_len)
+            texts = [request.prompt] if request.prompt is not None else [m.text() for m in request.messages]
+            tokenizer.check_fits(sum(map(len, texts)), max_len)
         except ValueError as e:
             raise OpenAIError(str(e), param="prompt" if request.prompt is not None else "messages") from None
         if request.prompt is not None:
@@ -63,7 +70,10 @@ class OpenAIServingTokenization(OpenAIServing):
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
             try:
                 ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
-                                              request.add_generation_prompt, bool(request.add_special_tokens))
+                                              request.add_generation_prompt, bool(request.add_special_tokens),
+                                              max_len)
+            except PromptTooLongError as e:
+                raise OpenAIError(str(e), param="messages") from None
             except Exception as e:  # the template rejects a conversation (e.g. roles out of order)
                 raise OpenAIError(f"the chat template could not render these messages: {e}",
                                   param="messages") from None
@@ -74,6 +84,10 @@ class OpenAIServingTokenization(OpenAIServing):
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         tokenizer = self._tokenizer()
+        max_len = self.engine.config.model.max_model_len
+        if len(request.tokens) > max_len:   # as a prompt of ids is bounded, before any work on them
+            raise OpenAIError(f"This model's maximum context length is {max_len} tokens; got "
+                              f"{len(request.tokens)} tokens to detokenize", param="tokens")
         bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise OpenAIError(f"token ids must be in [0, {tokenizer.vocab_size}); got {bad[:5]}",
