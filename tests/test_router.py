@@ -219,7 +219,10 @@ def test_the_router_learns_each_instances_prices_from_its_streams(cluster):
     for worker in workers:
         price = worker["price"]
         assert price is not None and 6.0 <= price["output_tokens"] <= 12.0, worker   # this test's and earlier streams
-        assert price["first_token_s"] + price["prefill_s_per_block"] > 0 and price["step_s"] > 0, price
+        # Either part of a line may be 0 (pricing.LinearFit: a negative intercept is refitted
+        # through the origin, as on a Zen 3 where the streams' ITL grew with the active blocks).
+        assert price["first_token_s"] + price["prefill_s_per_block"] > 0, price
+        assert price["step_s"] + price["step_s_per_block"] > 0, price
 
 
 def test_a_late_router_rebuilds_its_index_by_replay(cluster, tmp_path):
