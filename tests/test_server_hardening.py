@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -350,3 +351,46 @@ def test_a_conversation_or_ids_past_the_context_are_refused_before_any_work(serv
     ok = httpx.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": [5] * MAX_MODEL_LEN})
     assert ok.status_code == 200
     assert client.chat.completions.create(model=MODEL, messages=empty[:3], max_tokens=2).choices
+
+
+def test_a_large_logprobs_answer_does_not_hold_other_clients(tmp_path):
+    """Before: a non-streaming chat answer's logprobs were shaped on the event loop, a pydantic
+    object per entry, then dumped in one call: at --max-logprob-entries' 2**20 that held every
+    other client 19-60 s (bench/logprob_shaping.py). Now the answer's JSON is built in a thread, a
+    step at a time. /health is polled beside the same request without and with logprobs (269k
+    entries, which held the loop 3-40 s before): its longest wait must not grow by that much."""
+    import openai
+    server = _serve(tmp_path, "--num-gpu-blocks-override", "1200")   # 64 x 200 tokens at once
+    body = {**CHAT, "n": 64, "max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
+
+    def longest_health_wait(extra: dict) -> tuple[float, httpx.Response]:
+        waits, done = [0.0], threading.Event()
+
+        def poll() -> None:
+            with httpx.Client(timeout=300) as client:
+                while not done.is_set():
+                    begin = time.perf_counter()
+                    assert client.get(f"{server.url}/health").status_code == 200
+                    waits.append(time.perf_counter() - begin)
+                    time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **extra}, timeout=300)
+        finally:
+            done.set()
+            poller.join()
+        assert resp.status_code == 200, resp.text[:300]
+        return max(waits), resp
+
+    try:
+        plain, _ = longest_health_wait({})
+        held, resp = longest_health_wait({"logprobs": True, "top_logprobs": 20})
+    finally:
+        _stop(server)
+    answer = openai.types.chat.ChatCompletion.model_validate(resp.json())   # as the client reads it
+    assert len(answer.choices) == 64
+    assert all(len(c.logprobs.content) == 200 and len(c.logprobs.content[-1].top_logprobs) == 20
+               for c in answer.choices)
+    assert held < 2 * plain + 1.0, f"/health waited {held:.2f} s beside logprobs, {plain:.2f} s without"

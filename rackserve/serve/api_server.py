@@ -168,14 +168,15 @@ def kv_events_info(config: Any, publisher: KVEventPublisher | None) -> dict[str,
             "max_model_len": config.model.max_model_len}
 
 
-async def _respond(raw: Request, handler: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+async def _respond(raw: Request, handler: Awaitable[bytes | AsyncIterator[str]]) -> Response:
     """Runs a handler until it answers or its client disconnects (then the handler is cancelled,
-    which aborts its engine requests). A streaming answer has already seen its first token."""
+    which aborts its engine requests). A whole answer comes as JSON text (built off the loop);
+    a streaming answer has already seen its first token."""
     result = await unless_client_leaves(raw, handler)
     if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if isinstance(result, BaseModel):
-        return _json(result)
+    if isinstance(result, bytes):
+        return Response(result, media_type="application/json")
     return StreamingResponse(result, media_type="text/event-stream")
 
 

@@ -3,6 +3,9 @@
 This file owns the chat response shapes (message, delta chunks opening with the assistant role,
 logprobs as content[{token, logprob, bytes, top_logprobs}]). It must never validate sampling
 values (SamplingParams does) nor decide whether a prompt fits the context (the engine does).
+A whole answer is JSON text built in a worker thread, its logprobs a step at a time as plain
+dicts: --max-logprob-entries admits ~1M entries, and a pydantic object each on the event loop
+held every other client 19-60 s (bench/logprob_shaping.py).
 """
 from __future__ import annotations
 
@@ -11,23 +14,26 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from pydantic_core import to_json
+
 from rackserve.engine.tokenizer import PromptTooLongError
 from rackserve.outputs import Logprob
 from rackserve.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                       ChatCompletionResponseChoice, ChatCompletionStreamChoice,
-                                      ChatCompletionStreamResponse, ChatLogprobToken, ChatLogProbs,
-                                      ChatResponseMessage, ChatTopLogprob, DeltaMessage)
+                                      ChatCompletionStreamResponse, ChatLogProbs, ChatResponseMessage,
+                                      DeltaMessage)
 from rackserve.serve.request_streams import RequestStreams
 from rackserve.serve.serving_engine import (SSE_DONE, ChoiceState, OpenAIError, OpenAIServing,
-                                            UsageCounter, clamp_logprob, sse, stream_error,
-                                            token_text, top_by_rank)
+                                            UsageCounter, clamp_logprob, splice_json, sse,
+                                            stream_error, token_text, top_by_rank)
 
 
 class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, request_id: str | None = None
-                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        """The response, or (stream=True) an iterator of SSE events already past the first token.
+                                     ) -> bytes | AsyncIterator[str]:
+        """The response's JSON (a ChatCompletionResponse), or (stream=True) an iterator of SSE
+        events already past the first token.
         `request_id` (the client's X-Request-Id) is the stem of the response's and engine's ids."""
         self.check_request(request, 1, request.top_logprobs)
         if self.tokenizer is None:
@@ -69,8 +75,7 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             streams.abort()
 
-    async def _collect(self, streams: RequestStreams, request_id: str,
-                       top_k: int) -> ChatCompletionResponse:
+    async def _collect(self, streams: RequestStreams, request_id: str, top_k: int) -> bytes:
         choices: dict[int, ChoiceState] = {}
         usage = UsageCounter()
         kv_transfer_params = None
@@ -79,13 +84,26 @@ class OpenAIServingChat(OpenAIServing):
             kv_transfer_params = out.kv_transfer_params or kv_transfer_params
             for delta in out.outputs:
                 choices.setdefault(delta.index, ChoiceState()).add(delta)
-        return ChatCompletionResponse(
-            id=request_id, model=self.model_name, usage=usage.info(), kv_transfer_params=kv_transfer_params,
-            choices=[ChatCompletionResponseChoice(
-                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=self._logprobs(c.token_ids, c.logprobs, top_k) if c.logprobs else None)
-                for i, c in sorted(choices.items())])
+        # Off the event loop: in plain Python the thread yields the GIL every few ms, so other
+        # clients are served while ~1M logprob entries are shaped.
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage.info(),
+                                          kv_transfer_params=kv_transfer_params, choices=[])
+        return await asyncio.to_thread(self._json, response, sorted(choices.items()), top_k)
+
+    def _json(self, response: ChatCompletionResponse, choices: list[tuple[int, ChoiceState]],
+              top_k: int) -> bytes:
+        """`response`'s JSON with these choices: what model_dump_json would write, serialized a
+        choice and a logprob step at a time (pydantic's one call holds the GIL until it is done)."""
+        parts = []
+        for i, c in choices:
+            choice = ChatCompletionResponseChoice(index=i, message=ChatResponseMessage(content=c.text),
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            logprobs = b"null"
+            if c.logprobs:
+                steps = (to_json(self._step(t, step, top_k)) for t, step in zip(c.token_ids, c.logprobs))
+                logprobs = b'{"content":[' + b",".join(steps) + b"]}"
+            parts.append(splice_json(choice.model_dump_json(), "logprobs", logprobs))
+        return splice_json(response.model_dump_json(), "choices", b"[" + b",".join(parts) + b"]", b"[]")
 
     async def _stream(self, request: ChatCompletionRequest, streams: RequestStreams, request_id: str,
                       n: int, top_k: int) -> AsyncIterator[str]:
@@ -121,14 +139,17 @@ class OpenAIServingChat(OpenAIServing):
 
     def _logprobs(self, token_ids: list[int], steps: list[dict[int, Logprob]],
                   top_k: int) -> ChatLogProbs:
-        content = []
-        for token_id, step in zip(token_ids, steps):
-            text = token_text(self.tokenizer, token_id, step.get(token_id))
-            top = [self._top(t, lp) for t, lp in top_by_rank(step, top_k)]
-            content.append(ChatLogprobToken(token=text, logprob=clamp_logprob(step[token_id].logprob),
-                                            bytes=list(text.encode()), top_logprobs=top))
-        return ChatLogProbs(content=content)
+        """A streamed chunk's logprobs (a few steps)."""
+        return ChatLogProbs.model_validate(
+            {"content": [self._step(t, step, top_k) for t, step in zip(token_ids, steps)]})
 
-    def _top(self, token_id: int, logprob: Logprob) -> ChatTopLogprob:
+    def _step(self, token_id: int, step: dict[int, Logprob], top_k: int) -> dict:
+        """One ChatLogprobToken as a plain dict, its fields in the model's order (the JSON's)."""
+        entry = self._entry(token_id, step[token_id])
+        entry["top_logprobs"] = [self._entry(t, lp) for t, lp in top_by_rank(step, top_k)]
+        return entry
+
+    def _entry(self, token_id: int, logprob: Logprob) -> dict:
+        """One ChatTopLogprob as a plain dict."""
         text = token_text(self.tokenizer, token_id, logprob)
-        return ChatTopLogprob(token=text, logprob=clamp_logprob(logprob.logprob), bytes=list(text.encode()))
+        return {"token": text, "logprob": clamp_logprob(logprob.logprob), "bytes": list(text.encode())}
