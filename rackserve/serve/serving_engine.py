@@ -56,12 +56,13 @@ def sse(chunk: BaseModel | dict) -> str:
 def splice_json(text: str | bytes, key: str, raw: bytes, placeholder: bytes = b"null") -> bytes:
     """`text` (pydantic's JSON of a model whose field `key` holds `placeholder`) with that value
     replaced by `raw`, JSON text built apart. pydantic escapes every quote inside a string, so
-    `"key":placeholder` can only be that field. A large answer is serialized in pieces this way:
-    one model_dump_json of ~100 MB holds the GIL for seconds."""
+    the first `"key":placeholder` is that field while only strings and numbers come before it (a
+    free-form dict after it, kv_transfer_params, may hold anything). A large answer is serialized
+    in pieces this way: one model_dump_json of ~100 MB holds the GIL for seconds."""
     text = text.encode() if isinstance(text, str) else text
     field = b'"' + key.encode() + b'":'
-    assert text.count(field + placeholder) == 1, (key, text[:200])
-    return text.replace(field + placeholder, field + raw)
+    assert field + placeholder in text, (key, text[:200])
+    return text.replace(field + placeholder, field + raw, 1)
 
 
 def clamp_logprob(value: float) -> float:
