@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
                 steps = (to_json(self._step(t, step, top_k)) for t, step in zip(c.token_ids, c.logprobs))
                 logprobs = b'{"content":[' + b",".join(steps) + b"]}"
             parts.append(splice_json(choice.model_dump_json(), "logprobs", logprobs))
-        return splice_json(response.model_dump_json(), "choices", b"[" + b",".join(parts) + b"]", b"[]")
+        return splice_json(response.model_dump_json(), "choices", parts, b"[]")
 
     async def _stream(self, request: ChatCompletionRequest, streams: RequestStreams, request_id: str,
                       n: int, top_k: int) -> AsyncIterator[str]:

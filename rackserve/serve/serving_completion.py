@@ -75,7 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 token_ids=c.token_ids if with_ids else None)
             logprobs = to_json(self._logprobs(c.token_ids, c.logprobs, 0)) if c.logprobs else b"null"
             parts.append(splice_json(choice.model_dump_json(), "logprobs", logprobs))
-        return splice_json(response.model_dump_json(), "choices", b"[" + b",".join(parts) + b"]", b"[]")
+        return splice_json(response.model_dump_json(), "choices", parts, b"[]")
 
     async def _stream(self, request: CompletionRequest, streams: RequestStreams, request_id: str,
                       n: int, with_ids: bool) -> AsyncIterator[str]:
