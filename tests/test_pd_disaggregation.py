@@ -231,7 +231,10 @@ def test_a_client_that_leaves_during_a_hop_aborts_it_on_that_instance(cluster, h
     assert later.status_code == 200
     for name in ("prefill", "decode"):
         _wait_idle(cluster[name])
-    # The prefiller finished the left request's prefill only if the hang-up came during the decode hop.
-    assert _completed(cluster["prefill"]) - before["prefill"] == (1 if hop == "prefill" else 2)
+    # The prefiller finished the left request's prefill when the hang-up came during the decode hop,
+    # and may have when it came during its own: the abort can land after the step that prefilled it
+    # (seen once in a fresh-clone CI run on a Zen 3). Either way the decoder never started it.
+    done = _completed(cluster["prefill"]) - before["prefill"]
+    assert done == 2 if hop == "decode" else done in (1, 2)
     assert _completed(cluster["decode"]) - before["decode"] == 1
     _wait_kv_free(cluster[hop], LEASE_S)
