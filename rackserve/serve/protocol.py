@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from rackserve.engine.tokenizer import PromptTooLongError, Tokenizer
 from rackserve.sampling_params import SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5             # the legacy completions API allows logprobs 0..5
@@ -29,15 +30,16 @@ Strs = Annotated[list[str], FAIL_FAST]
 
 
 def at_most_max_messages(messages: Any, info: ValidationInfo) -> Any:
-    """A list of more messages than the validation context's `max_messages` (the context length:
-    a template writes a token a message at least) is refused before a message model is built:
-    424k empty messages took 2.2 s of the event loop to build, niced, before the count refused them."""
+    """A list of more messages than the validation context's `max_messages` (the context length)
+    is refused before a message model is built, by the rule the router and /tokenize apply too
+    (Tokenizer.check_messages_fit): 424k empty messages took 2.2 s of the event loop to build,
+    niced, before the count refused them."""
     limit = (info.context or {}).get("max_messages")
-    if limit is not None and isinstance(messages, list) and len(messages) > limit:
-        raise PydanticCustomError("too_long", "a conversation of {count} messages is longer than this model's "
-                                  "maximum context length of {limit} tokens (a chat template writes at least "
-                                  "one token for each message); send fewer messages",
-                                  {"count": len(messages), "limit": limit})
+    if limit is not None and isinstance(messages, list):
+        try:
+            Tokenizer.check_messages_fit(len(messages), limit)
+        except PromptTooLongError as e:
+            raise PydanticCustomError("too_long", str(e)) from None
     return messages
 
 

@@ -44,8 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_len = self.engine.config.model.max_model_len
-        try:   # the context bounds need no rendering: a huge conversation is refused at once
-            self.tokenizer.check_messages_fit(len(request.messages), max_len)
+        try:   # the context bounds need no rendering (the parse bounded the message count)
             messages = request.chat_messages()
             self.tokenizer.check_fits(sum(len(m["content"]) for m in messages), max_len)
         except ValueError as e:

@@ -58,7 +58,7 @@ class OpenAIServingTokenization(OpenAIServing):
             raise OpenAIError("send exactly one of 'prompt' (text) and 'messages' (a chat)", param="prompt")
         max_len = self.engine.config.model.max_model_len
         try:   # a text no context could hold is refused before it is rendered, tokenized and held whole
-            tokenizer.check_messages_fit(len(request.messages or ()), max_len)
+            # (the parse bounded the message count: protocol.at_most_max_messages)
             texts = [request.prompt] if request.prompt is not None else [m.text() for m in request.messages]
             tokenizer.check_fits(sum(map(len, texts)), max_len)
         except ValueError as e:
