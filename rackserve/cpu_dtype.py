@@ -44,6 +44,27 @@ def cpu_model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
         return name
 
 
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The model name with the x86 family and model numbers ("AMD EPYC family 23 model 1"): a cloud
+    VM often names only the brand, and an AMD EPYC Zen 1 (family 23) and Zen 3 (family 25) differ
+    2x in speed under the same name. The name alone where the file has no such numbers."""
+    numbers = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("cpu family", "model") and key.strip() not in numbers:
+                    numbers[key.strip()] = value.strip()
+                if not line.strip():
+                    break    # the first processor's block is enough
+    except OSError:
+        pass
+    name = cpu_model_name(cpuinfo)
+    if len(numbers) < 2:
+        return name
+    return f"{name} family {numbers['cpu family']} model {numbers['model']}"
+
+
 def choose_cpu_dtype(flags: frozenset[str] | set[str]) -> DtypeChoice:
     native = [f for f in NATIVE_BF16_FLAGS if f in flags]
     if native:

@@ -23,3 +23,8 @@ def test_cpu_name_reads_the_model_and_the_wide_vector_features(tmp_path, monkeyp
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
     assert cpu_name() == "AMD EPYC 7B13 (avx2)"
+    # Where the file numbers the family and model, they are part of the name: a Zen 1 and a Zen 3
+    # VM both call themselves "AMD EPYC".
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+                       "flags\t\t: fpu avx2\n\nprocessor\t: 1\ncpu family\t: 99\nmodel\t\t: 9\n")
+    assert cpu_name() == "AMD EPYC family 23 model 1 (avx2)"

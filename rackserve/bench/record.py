@@ -9,13 +9,14 @@ import os
 import sys
 from typing import Any
 
-from rackserve.cpu_dtype import cpu_flags, cpu_model_name
+from rackserve.cpu_dtype import cpu_flags, cpu_identity
 
 
 def cpu_name() -> str:
-    """The CPU model and its wide-vector features (the same project runs on AMD Zen without
-    AVX-512 and on Xeons with AMX, and a figure means little without knowing which)."""
-    name = cpu_model_name()
+    """The CPU model (its family and model numbers too) and its wide-vector features (the same
+    project runs on AMD Zen without AVX-512 and on Xeons with AMX, and a figure means little
+    without knowing which)."""
+    name = cpu_identity()
     flags = cpu_flags()
     features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({', '.join(features)})" if features else name

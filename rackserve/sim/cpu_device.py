@@ -1,8 +1,8 @@
 """The `cpu` device at run time: the calibration of this machine for the model, dtype and
 quantization `rackserve serve` would run, found among the saved ones or measured on the spot.
 
-A calibration is keyed by what makes its step times true: the processor (model name and logical
-CPUs), the model, the dtype, the quantization and the kernels (resolved as `rackserve serve`
+A calibration is keyed by what makes its step times true: the processor (model name, family and
+model, logical CPUs), the model, the dtype, the quantization and the kernels (resolved as `rackserve serve`
 resolves them: auto dtype by the CPU's flags, a GGUF's weights kept packed, the packed kernel
 `--quant-kernel auto` picks, the native library's build), and it is reused only while the code that
 computed its steps is unchanged (its engine_code record, bench/engine_code.py: the native library's
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import zlib
 
-from rackserve.cpu_dtype import cpu_model_name
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.sim.hardware import Hardware
 
 SHIPPED_DIR = os.path.join(os.path.dirname(__file__), "calibration")
@@ -37,8 +37,9 @@ FORWARD_SECONDS = 1.0       # timed per point: medians of 5-40 steps
 
 
 def processor() -> str:
-    """The CPU's model name and logical CPU count (what bench forward's threads default to)."""
-    return f"{cpu_model_name()} x{os.cpu_count()}"
+    """The CPU's model name, family and model (cpu_identity) and logical CPU count (what bench
+    forward's threads default to)."""
+    return f"{cpu_identity()} x{os.cpu_count()}"
 
 
 def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
