@@ -154,6 +154,9 @@ def main() -> None:
             t0, t1 = kind.pop("window")
             inside = [g for g, end in gaps if t0 <= end <= t1 + 0.5]
             kind["reader_max_gap_ms"] = round(max(inside, default=0) * 1000, 1)
+            # A stall that is shorter but lasts longer: how many chunks came, and their median gap.
+            kind["reader_chunks"] = len(inside)
+            kind["reader_gap_p50_ms_inside"] = round(statistics.median(inside) * 1000, 2) if inside else None
             kind["health_max_ms"] = round(max((p for p, end in probes if t0 <= end <= t1 + 0.5), default=0) * 1000, 1)
         result["health_after"] = httpx.get(f"{url}/health").status_code
     finally:

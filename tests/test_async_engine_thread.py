@@ -1,12 +1,13 @@
 """AsyncEngine builds its LLMEngine on the engine thread (the one that steps it): a failure to
 build reaches the caller, and a built engine generates what the offline LLM does."""
 import asyncio
+import os
 import threading
 
 import pytest
 
 from rackserve.config import EngineArgs
-from rackserve.engine.async_engine import AsyncEngine
+from rackserve.engine.async_engine import PREPARE_NICENESS, AsyncEngine
 from rackserve.engine.llm import LLM
 from rackserve.sampling_params import SamplingParams
 from tests.tiny_models import build_tiny_model
@@ -74,3 +75,24 @@ def test_shutdown_fails_requests_in_flight_at_once_not_after_the_step_in_progres
         return asked, failed_at
     asked, failed_at = asyncio.run(main())
     assert failed_at - asked < 2, f"the request failed {failed_at - asked:.1f} s after the shutdown"
+
+
+def test_prompts_are_prepared_in_threads_of_lower_priority_than_the_engine(tmp_path):
+    """A body of many long prompts keeps the tokenizer busy for seconds: its threads yield the CPU
+    to the engine thread's steps (a running stream's longest gap fell 3-10x, bench/body_stall.py)."""
+    path = build_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    engine = AsyncEngine(EngineArgs(model=path, device="cpu", num_gpu_blocks_override=32, max_model_len=256,
+                                    skip_tokenizer_init=True))
+    try:
+        def niceness() -> int:
+            return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        engine_nice = niceness()   # the engine thread was started from this one: it keeps this value
+        prepare_nice = engine._prepare_pool.submit(niceness).result()
+        assert prepare_nice == min(19, engine_nice + PREPARE_NICENESS)
+
+        async def run():
+            return [out async for out in engine.generate({"prompt_token_ids": [1, 5]},
+                                                         SamplingParams(max_tokens=2, ignore_eos=True), "r0")]
+        assert asyncio.run(run())[-1].finished
+    finally:
+        engine.shutdown()

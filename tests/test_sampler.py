@@ -7,17 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rackserve.model.sampler import (Sampler, SamplingRow, apply_penalties, apply_top_k_top_p,
-                                     sample_isolating_failures)
+from rackserve.model.penalties import PenaltyRows, has_penalties
+from rackserve.model.sampler import Sampler, SamplingRow, apply_top_k_top_p, sample_isolating_failures
 from rackserve.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 
 
-def row(prompt=(0,), output=(), **kw) -> SamplingRow:
+def row(prompt=(0,), output=(), pool: PenaltyRows | None = None, vocab: int = 64, **kw) -> SamplingRow:
+    """A row; one with penalties gets a row of `pool` holding its tokens."""
     params = SamplingParams(**kw)
     gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-    return SamplingRow(params, list(prompt), list(output), gen)
+    penalty_row = pool.add(list(prompt), list(output), vocab) if has_penalties(params) else None
+    return SamplingRow(params, gen, penalty_row)
 
 
 def random_logits(rows: int, vocab: int = 64, seed: int = 0) -> torch.Tensor:
@@ -34,8 +36,9 @@ def test_greedy_is_argmax():
 def test_sampler_leaves_callers_logits_alone():
     logits = random_logits(3)
     before = logits.clone()
+    pool = PenaltyRows(CPU)
     Sampler(0, CPU)(logits, [row(temperature=0.8, top_k=5, min_p=0.1, repetition_penalty=1.3, logprobs=2,
-                                 output=[1, 2])] * 3)
+                                 output=[1, 2], pool=pool)] * 3, pool)
     assert torch.equal(logits, before)
 
 
@@ -139,34 +142,32 @@ def test_unseeded_rows_follow_the_sampler_seed():
     assert len(draws) > 1
 
 
-def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    out = apply_penalties(logits, [row(prompt=[0, 1], output=[1, 2], repetition_penalty=2.0)])
-    # Tokens 0, 1, 2 were seen (prompt or output); 3 and 4 were not.
-    assert torch.allclose(out, torch.tensor([[1.0, -2.0, 0.25, 3.0, -2.0]]))
-
-
-def test_presence_and_frequency_penalties_count_output_tokens_only():
-    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
-    out = apply_penalties(logits, [row(prompt=[3, 3], output=[0, 0, 0, 1],
-                                       presence_penalty=0.5, frequency_penalty=0.25)])
-    # token 0: 1 - 3 * 0.25 - 0.5 = -0.25; token 1: 1 - 0.25 - 0.5 = 0.25; 2 and 3 untouched.
-    assert torch.allclose(out, torch.tensor([[-0.25, 0.25, 1.0, 1.0]]))
-
-
 def test_penalties_apply_per_row_and_change_the_greedy_pick():
     logits = torch.tensor([[2.0, 1.5, 0.0], [2.0, 1.5, 0.0], [2.0, 1.5, 0.0]])
-    rows = [row(temperature=0.0, output=[0], repetition_penalty=1.5),     # 2 / 1.5 = 1.33 < 1.5
-            row(temperature=0.0, output=[0], frequency_penalty=0.6),      # 2 - 0.6 = 1.4 < 1.5
-            row(temperature=0.0, output=[0])]                             # no penalty
-    assert Sampler(0, CPU)(logits, rows).token_ids == [1, 1, 0]
+    pool = PenaltyRows(CPU)
+    rows = [row(temperature=0.0, output=[0], repetition_penalty=1.5, pool=pool, vocab=3),  # 2 / 1.5 = 1.33 < 1.5
+            row(temperature=0.0, output=[0], frequency_penalty=0.6, pool=pool, vocab=3),   # 2 - 0.6 = 1.4 < 1.5
+            row(temperature=0.0, output=[0])]                                              # no penalty
+    assert Sampler(0, CPU)(logits, rows, pool).token_ids == [1, 1, 0]
+    # Penalties on the middle row alone: the others' logits are the caller's.
+    assert Sampler(0, CPU)(logits, [rows[2], rows[1], rows[2]], pool).token_ids == [0, 1, 0]
+
+
+def test_a_row_with_penalties_and_no_penalty_row_fails_alone():
+    logits = random_logits(2)
+    rows = [row(temperature=0.0), SamplingRow(SamplingParams(temperature=0.0, presence_penalty=1.0), None)]
+    out, failed = sample_isolating_failures(Sampler(0, CPU), logits, rows, PenaltyRows(CPU))
+    assert list(failed) == [1] and "no penalty row" in failed[1]
+    assert out.token_ids[0] == logits[0].argmax().item()
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks_and_top_k():
     logits = random_logits(3, vocab=50, seed=3)
+    pool = PenaltyRows(CPU)
     rows = [row(temperature=0.0, logprobs=5), row(temperature=1.0, seed=1, logprobs=0),
-            row(temperature=2.0, output=[int(logits[2].argmax())], repetition_penalty=2.0, logprobs=3)]
-    out = Sampler(0, CPU)(logits, rows)
+            row(temperature=2.0, output=[int(logits[2].argmax())], repetition_penalty=2.0, logprobs=3,
+                pool=pool, vocab=50)]
+    out = Sampler(0, CPU)(logits, rows, pool)
     want = torch.log_softmax(logits, dim=-1)
     for i, lp in enumerate(out.logprobs):
         token = out.token_ids[i]

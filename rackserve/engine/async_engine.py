@@ -9,9 +9,12 @@ queued. If a step raises, every in-flight request fails with that error and the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +24,9 @@ from rackserve.engine.llm_engine import (EngineDeadError, EngineOverloadedError,
 from rackserve.engine.stats import StatLogger
 from rackserve.outputs import RequestOutput
 from rackserve.sampling_params import SamplingParams
+
+# How much lower than the engine the prompt-preparing threads run (nice values: 10 weighs ~1/9).
+PREPARE_NICENESS = 10
 
 
 class AsyncEngine:
@@ -51,6 +57,11 @@ class AsyncEngine:
             raise failed[0]
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        # Prompts are tokenized and checked in these threads, at a lower OS priority than the
+        # engine thread: a body of many long prompts keeps them busy for seconds (the tokenizer
+        # lets go of the GIL), and on a machine with few cores the engine's steps must win.
+        self._prepare_pool = ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4), "rackserve-prepare",
+                                                initializer=_lower_priority)
 
     async def generate(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None,
@@ -67,8 +78,8 @@ class AsyncEngine:
         self.num_waiting += weight
         finished = added = False
         try:
-            prepared = await asyncio.to_thread(self.engine.prepare, request_id, prompt, params, cache_salt,
-                                               data_parallel_rank)
+            prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, functools.partial(
+                self.engine.prepare, request_id, prompt, params, cache_salt, data_parallel_rank))
             stream: asyncio.Queue = asyncio.Queue()
             self._send("add", (prepared, asyncio.get_running_loop(), stream))
             added = True
@@ -132,6 +143,7 @@ class AsyncEngine:
                 _put(loop, stream, reason)
             self._thread.join(timeout=timeout)
             self.engine.shutdown()
+            self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- the engine thread --------------------------------------------------------------------
     def _send(self, kind: str, payload: Any) -> None:
@@ -219,3 +231,13 @@ def _put(loop: asyncio.AbstractEventLoop, stream: asyncio.Queue, item: Any) -> N
     """Hand an item to a caller's queue from the engine thread (a closed loop has nobody left)."""
     if not loop.is_closed():
         loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+def _lower_priority() -> None:
+    """This thread's nice value 10 above the process's (Linux sets it per thread), so that the
+    engine thread and torch's threads win the CPU over tokenization."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + PREPARE_NICENESS))
+    except (AttributeError, OSError):   # not Linux, or not allowed: the same priority as the rest
+        pass

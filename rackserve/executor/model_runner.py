@@ -1,8 +1,8 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass and one sampled token per request
 whose KV has caught up with all its tokens.
 
-It owns the worker-side request state (tokens, block table, generator), the KV cache tensors and
-the step's input tensors and attention metadata, built once per step. It must never decide what
+It owns the worker-side request state (tokens, block table, generator, penalty row), the KV cache
+tensors and the step's input tensors and attention metadata, built once per step. It must never decide what
 runs (the scheduler does) and never keeps a request the scheduler told it to drop.
 
 Under tensor parallelism there is one runner per rank, each with its slice of the model and the
@@ -31,6 +31,7 @@ from rackserve.model.compiled_layers import compile_decoder
 from rackserve.model.loader import load_model
 from rackserve.model.moe import FusedMoE, take_expert_token_counts
 from rackserve.model.native_decode import native_decoder
+from rackserve.model.penalties import PenaltyRows, has_penalties
 from rackserve.model.sampler import Sampler, SamplingRow, sample_isolating_failures
 from rackserve.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class CachedRequestState:
     block_ids: list[list[int]]          # one block table per KV cache group
     num_computed_tokens: int
     num_hit_blocks: tuple[int, ...] = ()   # per group, leading blocks from the prefix cache (never written)
+    penalty_row: int | None = None         # its row in the runner's PenaltyRows, once it samples with penalties
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +106,10 @@ class ModelRunner:
         # The ranks of a DP rank sample alike; DP ranks must not draw one stream for their requests.
         self.sampler = Sampler(config.model.seed + self.groups.dp.rank_in_group, self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        # What penalties read of each penalised request's tokens, kept across steps (model/penalties.py);
+        # filled when a request first samples (the logits give the vocabulary), so _unfilled.
+        self.penalties = PenaltyRows(self.device)
+        self._unfilled: set[str] = set()
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         # A forward that meets ranks of other DP ranks in collectives (experts sharded across DP
         # ranks) must run even with no tokens, or the peers' collectives would never match.
@@ -170,23 +176,31 @@ class ModelRunner:
                 # Seeded per output position, so a request resumed after preemption (with a
                 # fresh generator) draws exactly what it would have drawn.
                 state.generator.manual_seed(_position_seed(state.sampling_params.seed, len(state.output_token_ids)))
-        rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator)
-                for s in inputs.sampling_states]
-        sampled, failed_rows = sample_isolating_failures(self.sampler, logits, rows)
         states = inputs.sampling_states
-        for i, (state, token) in enumerate(zip(states, sampled.token_ids)):
-            if i not in failed_rows:   # a failed request is ended by the scheduler, then dropped here
-                state.output_token_ids.append(token)
+        unfilled = self._fill_penalty_rows(states, logits.shape[1]) if self._unfilled else {}
+        rows = [SamplingRow(s.sampling_params, s.generator, s.penalty_row) for s in states]
+        sampled, failed_rows = sample_isolating_failures(self.sampler, logits, rows, self.penalties, unfilled)
         ok = [i for i in range(len(states)) if i not in failed_rows]
+        penalty_rows: list[int] = []
+        penalty_tokens: list[int] = []
+        for i in ok:   # a failed request is ended by the scheduler, then dropped here
+            states[i].output_token_ids.append(sampled.token_ids[i])
+            if states[i].penalty_row is not None:
+                penalty_rows.append(states[i].penalty_row)
+                penalty_tokens.append(sampled.token_ids[i])
+        self.penalties.append(penalty_rows, penalty_tokens)
         return ModelRunnerOutput([states[i].req_id for i in ok], [[sampled.token_ids[i]] for i in ok],
                                  [sampled.logprobs[i] for i in ok], expert_token_counts=expert_counts,
                                  failed={states[i].req_id: reason for i, reason in failed_rows.items()})
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._drop(req_id)
         for new in so.scheduled_new_reqs:
+            self._drop(new.req_id)   # resumed after preemption: rebuilt from what the scheduler sends
             params = new.sampling_params
+            if has_penalties(params):
+                self._unfilled.add(new.req_id)
             generator = None if params.seed is None else torch.Generator(self.device)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
@@ -196,6 +210,27 @@ class ModelRunner:
             for table, ids in zip(state.block_ids, cached.new_block_ids, strict=True):
                 table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _drop(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        self._unfilled.discard(req_id)
+        if state is not None and state.penalty_row is not None:
+            self.penalties.free(state.penalty_row)
+
+    def _fill_penalty_rows(self, states: list[CachedRequestState], vocab: int) -> dict[int, str]:
+        """Penalty rows for the penalised requests sampling for the first time (this is when their
+        prompt is read, once); {index in states: reason} for those whose tokens cannot have one."""
+        arriving = [i for i, s in enumerate(states) if s.req_id in self._unfilled]
+        self.penalties.reserve(len(arriving), vocab)
+        failed = {}
+        for i in arriving:
+            state = states[i]
+            self._unfilled.discard(state.req_id)
+            try:
+                state.penalty_row = self.penalties.add(state.prompt_token_ids, state.output_token_ids, vocab)
+            except ValueError as e:   # that request fails, not the step
+                failed[i] = str(e)
+        return failed
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs = self.block_size

@@ -1,15 +1,17 @@
 """Sampler: turns one step's logits into one token per request, with vLLM v1's semantics.
 
-Order: logit_bias, penalties (repetition over prompt + output, presence and frequency over output), then
-greedy rows take the argmax; random rows apply temperature, min_p, top_k, top_p and draw by the
-exponential race (argmax of probs / Exponential(1) noise). A seeded request draws its noise from
-its own generator, so its tokens do not depend on what else is in the batch. Logprobs come from
-the raw logits (before penalties and temperature), as vLLM's default "raw_logprobs".
+Order: logit_bias, penalties (repetition over prompt + output, presence and frequency over output,
+read from the runner's PenaltyRows: model/penalties.py), then greedy rows take the argmax; random
+rows apply temperature, min_p, top_k, top_p and draw by the exponential race (argmax of probs /
+Exponential(1) noise). A seeded request draws its noise from its own generator, so its tokens do
+not depend on what else is in the batch. Logprobs come from the raw logits (before penalties and
+temperature), as vLLM's default "raw_logprobs".
 
 This file owns the sampling math, vectorised over rows. It must never touch the KV cache, the
-scheduler or request state beyond what a SamplingRow carries, and never mutate the caller's logits.
-A failure while sampling one row fails that row alone (`sample_isolating_failures`): the engine
-ends that request with an error and every other request in the batch gets its token.
+scheduler or request state beyond what a SamplingRow carries (and the penalty rows it names, which
+it only reads), and never mutate the caller's logits. A failure while sampling one row fails that
+row alone (`sample_isolating_failures`): the engine ends that request with an error and every
+other request in the batch gets its token.
 """
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ import numpy as np
 import torch
 
 from rackserve.core.outputs import LogprobsLists
+from rackserve.model.penalties import PenaltyRows, has_penalties
 from rackserve.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
     generator: torch.Generator | None   # the request's own (on the logits' device) when params.seed is set
+    penalty_row: int | None = None      # the request's row in the PenaltyRows, when it has penalties
 
 
 @dataclass
@@ -41,12 +43,14 @@ class Sampler:
         self.generator = torch.Generator(device=device)   # for rows without a seed of their own
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 penalties: PenaltyRows | None = None) -> SamplerOutput:
+        """`penalties`: the pool that rows with penalties name their rows in."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per request"
         assert logits.dtype == torch.float32, "the sampler works on fp32 logits"
         params = [row.params for row in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
-        penalized = any(_has_penalties(p) for p in params)
+        penalized = [i for i, p in enumerate(params) if has_penalties(p)]
         biased = any(p.logit_bias for p in params)
         if not penalized and not biased and not want_logprobs and all(p.greedy for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
@@ -55,7 +59,10 @@ class Sampler:
         if biased:
             logits = apply_logit_bias(logits, params)
         if penalized:
-            logits = apply_penalties(logits, rows)
+            pool_rows = [rows[i].penalty_row for i in penalized]
+            if penalties is None or None in pool_rows:
+                raise ValueError("a request with penalties has no penalty row")
+            logits = penalties.apply(logits, penalized, pool_rows, [params[i] for i in penalized])
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(rows):
             token_ids = self._sample(logits, rows)
@@ -111,23 +118,26 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     return [i for i in suspects if not np.isfinite(rows[i]).all()]
 
 
-def sample_isolating_failures(sampler: Sampler, logits: torch.Tensor,
-                              rows: list[SamplingRow]) -> tuple[SamplerOutput, dict[int, str]]:
+def sample_isolating_failures(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow],
+                              penalties: PenaltyRows | None = None,
+                              failed: dict[int, str] | None = None) -> tuple[SamplerOutput, dict[int, str]]:
     """Sample every row; a row that cannot be sampled (non-finite logits, or an error while
     sampling it) gets token -1 and a reason in the returned {row index: reason}, the others their
-    tokens as if sampled together. Deterministic, so every TP rank fails the same rows."""
-    failed = {i: "the model produced non-finite logits for this request" for i in nonfinite_rows(logits)}
+    tokens as if sampled together. Deterministic, so every TP rank fails the same rows. `failed`:
+    rows the caller already knows cannot be sampled, with their reasons."""
+    failed = {**{i: "the model produced non-finite logits for this request" for i in nonfinite_rows(logits)},
+              **(failed or {})}
     good = [i for i in range(len(rows)) if i not in failed]
     token_ids: list[int] = [-1] * len(rows)
     logprobs: list[LogprobsLists | None] = [None] * len(rows)
     try:   # the whole batch at once (no copy of the logits when every row is good)
         batch_logits = logits if len(good) == len(rows) else logits[good]
-        attempt = [(good, sampler(batch_logits, [rows[i] for i in good]))] if good else []
+        attempt = [(good, sampler(batch_logits, [rows[i] for i in good], penalties))] if good else []
     except Exception:   # noqa: BLE001 - find the rows at fault: sample them one by one
         attempt = []
         for i in good:
             try:
-                attempt.append(([i], sampler(logits[i:i + 1], [rows[i]])))
+                attempt.append(([i], sampler(logits[i:i + 1], [rows[i]], penalties)))
             except Exception as e:  # noqa: BLE001 - that row's request fails, not the step
                 failed[i] = f"sampling failed: {type(e).__name__}: {e}"
     for group, out in attempt:
@@ -148,48 +158,6 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             logits[i].index_add_(0, ids, bias)
-    return logits
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def _positions(token_lists: dict[int, list[int]], vocab: int, device: torch.device,
-               unique: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token id) index pairs of the tokens each row holds, once per occurrence or once
-    per distinct token. Penalties touch only these, never the whole [rows, vocab] tensor."""
-    lengths = torch.tensor([len(ids) for ids in token_lists.values()])
-    row = torch.repeat_interleave(torch.tensor(list(token_lists), dtype=torch.long), lengths)
-    col = torch.tensor([t for ids in token_lists.values() for t in ids], dtype=torch.long)
-    if unique:
-        key = torch.unique(row * vocab + col)
-        row, col = key // vocab, key % vocab
-    return row.to(device), col.to(device)
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """A new tensor: repetition penalty (HF/vLLM: positive logits divided, negative multiplied)
-    on every token seen in prompt or output; then logit -= frequency * count + presence * seen
-    over output tokens."""
-    logits = logits.clone()
-    vocab, device = logits.shape[1], logits.device
-    seen = {i: r.prompt_token_ids + r.output_token_ids for i, r in enumerate(rows)
-            if r.params.repetition_penalty != 1.0}
-    if seen:
-        row, col = _positions(seen, vocab, device, unique=True)
-        penalty = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[row]
-        values = logits[row, col]
-        logits[row, col] = torch.where(values > 0, values / penalty, values * penalty)
-    output = {i: r.output_token_ids for i, r in enumerate(rows) if r.output_token_ids
-              and (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0)}
-    if output:
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
-        row, col = _positions(output, vocab, device, unique=False)
-        logits.index_put_((row, col), -frequency[row], accumulate=True)
-        row, col = _positions(output, vocab, device, unique=True)
-        logits.index_put_((row, col), -presence[row], accumulate=True)
     return logits
 
 
