@@ -2,7 +2,8 @@
 GET /kv_events that is not a rackserve instance's (one started with --api-key the router lacks: 401;
 any other server: its 404) leaves that instance out and nothing else, and KV event messages that
 are malformed (wrong frame count, undecodable, an event the index cannot hold) each cost one batch
-of that instance, never its subscription. The instance here is a small real HTTP server with a real
+of that instance, never its subscription; an answer without end costs its client a 502, not the
+router its memory. The instance here is a small real HTTP server with a real
 ZMQ PUB socket, so it can send what no rackserve instance would."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -21,6 +23,7 @@ from tests.server_utils import metric_totals, start_command
 from tests.tokenizer_utils import save_test_tokenizer
 
 BS = 16
+ANSWER_BOUND = 4 << 20
 KEY_REFUSED = (401, {"error": {"message": "Incorrect or missing API key", "type": "invalid_request_error",
                                "param": None, "code": "invalid_api_key"}})
 
@@ -41,6 +44,17 @@ class Peer:
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def do_POST(self) -> None:   # an answer without end (no length: it would end at close)
+                self.rfile.read(int(self.headers["content-length"]))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b" " * (1 << 20))
+                except OSError:
+                    pass
 
             def log_message(self, *args) -> None:
                 pass
@@ -69,6 +83,7 @@ def pool(tmp_path):
     keyed = Peer({"/health": (200, {}), "/kv_events": KEY_REFUSED})
     log = tmp_path / "router.log"
     router, url = start_command(["router", "--health-interval", "0.2", "--health-timeout", "1",
+                                 "--max-answer-bytes", str(ANSWER_BOUND),
                                  "--worker", good.url, "--worker", keyed.url], log, timeout=60)
     try:
         yield url, log, good, pub, keyed
@@ -124,3 +139,11 @@ def test_malformed_kv_events_cost_one_batch_each_never_the_subscription(pool):
     pub.send_multipart([b"kv", (3).to_bytes(8, "big"), _batch(BS)])
     _wait_for(lambda: counts() == (2, 3), f"batches 0 and 3 applied, three dropped: {counts()}")
     assert metric_totals(url)["rackserve_router:index_blocks"] == 1
+
+
+def test_an_answer_without_end_costs_its_client_a_502_not_the_router_its_memory(pool):
+    url = pool[0]
+    answer = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert answer.status_code == 502
+    assert "--max-answer-bytes" in answer.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
