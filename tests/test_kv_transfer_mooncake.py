@@ -1,7 +1,8 @@
 """MooncakeConnector in one process: a prefiller LLM and a decoder LLM, each with its own Mooncake
 transfer engine and side channel, give the same greedy tokens as one LLM doing both, for the
 standard K/V layout, MLA's latent cache and a 16-bit KV cache; leases, load failures and
-mismatched layouts end in a completed request or a clear error, with no block leaked. DeepSeek-V4's cache comes in
+mismatched layouts end in a completed request or a clear error, with no block leaked; a hold two readers pinned
+is freed when both are done. DeepSeek-V4's cache comes in
 several groups (a bounded window, compressed entries): every group's blocks move."""
 from __future__ import annotations
 
@@ -194,3 +195,32 @@ def test_tensor_parallel_instances_move_each_ranks_shard(tiny_llama_dir):
         pre.engine.core.check_integrity()
         decoder.engine.core.check_integrity()
         assert pre.engine.core.scheduler.kv.usage() == 0.0
+
+
+def test_a_hold_pinned_by_two_readers_is_freed_only_when_both_are_done(tiny_llama_dir):
+    """Two decoders given the same kv_transfer_params (a client or proxy that sent them twice) pin
+    one hold: the first one's done must not free blocks the second is still reading (freed, they
+    are reused by the next request, and the second would load another prompt's KV silently)."""
+    from rackserve.kv_transfer.side_channel import SideChannelClient
+
+    with _llm(tiny_llama_dir, "kv_producer") as pre:
+        [out] = pre.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(
+            temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        params = out.kv_transfer_params
+        readers = [SideChannelClient(params["remote_host"], params["remote_port"], 5.0) for _ in range(2)]
+        pin = {"op": "pin", "req_id": params["remote_request_id"]}
+        try:
+            while readers[0].call(pin)["status"] != "pinned":   # the workers learn of the hold at a step
+                pre.engine.step()
+            assert readers[1].call(pin)["status"] == "pinned"
+            readers[0].call({"op": "done", "req_id": params["remote_request_id"], "pinned": True})
+            for _ in range(3):
+                pre.engine.step()
+            assert pre.engine.core.scheduler.kv.usage() > 0   # the second reader's blocks are still held
+            readers[1].call({"op": "done", "req_id": params["remote_request_id"], "pinned": True})
+            _drain(pre)
+            assert pre.engine.core.scheduler.kv.usage() == 0.0
+            pre.engine.core.check_integrity()
+        finally:
+            for reader in readers:
+                reader.close()

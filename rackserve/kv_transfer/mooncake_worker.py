@@ -79,8 +79,14 @@ class MooncakeConnectorWorker(KVConnectorWorker):
                 hold.deadline = time.monotonic() + self.lease_seconds   # a reader renews the lease
                 return {"status": "pinned", "block_ids": hold.block_ids}
             if op == "done":
+                # A reader's done ends its pin; the blocks go when no reader is left, never while
+                # another decoder given the same params still reads them. A done without a pin
+                # (a decoder with nothing to read lets go) frees them only when nobody reads.
                 if hold is not None:
-                    self._release(req_id)
+                    if msg.get("pinned") and hold.readers > 0:
+                        hold.readers -= 1
+                    if hold.readers == 0:
+                        self._release(req_id)
                 return {"status": "released"}
         return {"error": f"unknown op {op!r}"}
 
@@ -156,7 +162,7 @@ class MooncakeConnectorWorker(KVConnectorWorker):
                     acc += part
             return self.engine.batch_transfer_sync_read(peer["session"], local, remote, lengths) == 0
         finally:
-            client.call({"op": "done", "req_id": order.remote_request_id})
+            client.call({"op": "done", "req_id": order.remote_request_id, "pinned": True})
 
     def shutdown(self) -> None:
         self.server.shutdown()

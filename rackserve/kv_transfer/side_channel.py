@@ -18,6 +18,10 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 Handler = Callable[[dict], dict]
+# A request is an op and a request id; a reply at most a pinned request's block ids, per cache group.
+# A line past its bound is not ours: refused before it is buffered whole (a peer that sends no
+# newline would otherwise grow the reader's memory without end).
+MAX_REQUEST_BYTES, MAX_REPLY_BYTES = 1 << 16, 1 << 26
 
 
 class SideChannelServer:
@@ -41,7 +45,11 @@ class SideChannelServer:
                 super().finish()
 
             def handle(self) -> None:
-                for line in self.rfile:
+                while line := self.rfile.readline(MAX_REQUEST_BYTES + 1):
+                    if len(line) > MAX_REQUEST_BYTES:   # the connection is out of step from here: ended
+                        self.wfile.write(json.dumps({"error": f"a message over {MAX_REQUEST_BYTES} bytes"}).encode()
+                                         + b"\n")
+                        return
                     try:
                         reply = handler(json.loads(line))
                     except Exception as e:   # noqa: BLE001 - a bad message must not kill the server
@@ -49,8 +57,14 @@ class SideChannelServer:
                     self.wfile.write(json.dumps(reply).encode() + b"\n")
                     self.wfile.flush()
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((host, port), _Conn)
+        class _Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            # socketserver's default backlog of 5 drops connections that arrive together (each
+            # accept starts a thread): their SYNs are retried after 1 s, 3 s, 7 s, so a burst of
+            # peers, or one peer opening many, delayed every new pull's connection by seconds.
+            request_queue_size = socket.SOMAXCONN
+
+        self._server = _Server((host, port), _Conn)
         self._server.daemon_threads = True
         self.host, self.port = host, self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kv-side-channel", daemon=True)
@@ -89,9 +103,11 @@ class SideChannelClient:
     def call(self, message: dict) -> dict:
         self._file.write(json.dumps(message).encode() + b"\n")
         self._file.flush()
-        line = self._file.readline()
+        line = self._file.readline(MAX_REPLY_BYTES + 1)
         if not line:
             raise ConnectionError("the KV producer closed the side channel")
+        if len(line) > MAX_REPLY_BYTES:
+            raise ConnectionError(f"the KV producer's reply ran past {MAX_REPLY_BYTES} bytes")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"the KV producer refused {message.get('op')!r}: {reply['error']}")

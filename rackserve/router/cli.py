@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sys
 
+from rackserve.router import MAX_ANSWER_BYTES
 from rackserve.serve.cli import register_subcommand
 from rackserve.serve.limits import ServerLimits
 
@@ -44,10 +45,15 @@ def add_health_args(parser: argparse.ArgumentParser) -> None:
                         help="the instances' --api-key, sent on every call the router makes to them")
 
 
-def add_body_args(parser: argparse.ArgumentParser) -> None:
+def add_body_args(parser: argparse.ArgumentParser, answers: bool = False) -> None:
     parser.add_argument("--max-request-body-bytes", type=int, default=ServerLimits().max_request_body_bytes,
                         help="largest request body, bytes; larger ones get 413 before they are read whole "
                              "(the instances' bound, `rackserve serve --max-request-body-bytes`)")
+    if answers:
+        parser.add_argument("--max-answer-bytes", type=int, default=MAX_ANSWER_BYTES,
+                            help="largest whole (non-streaming) answer read from an instance, bytes; past it the "
+                                 "client gets 502 and the read stops (the largest answer --max-logprob-entries "
+                                 "admits is about 100 MB)")
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +68,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer path (default: the one the first instance reports at /kv_events)")
     add_health_args(parser)
-    add_body_args(parser)
+    add_body_args(parser, answers=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uvicorn-log-level", default="warning",
@@ -91,7 +97,8 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
 
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
                     args.health_timeout, args.worker_api_key, prefill, decode, args.pd_threshold_tokens)
-    front = RouterFront(router, args.tokenizer, max_request_body_bytes=args.max_request_body_bytes)
+    front = RouterFront(router, args.tokenizer, max_request_body_bytes=args.max_request_body_bytes,
+                        max_answer_bytes=args.max_answer_bytes)
     try:
         await front.start()
         server = uvicorn.Server(uvicorn.Config(build_router_app(front), host=args.host, port=args.port,

@@ -50,7 +50,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads to split evenly among the instances")
     add_health_args(parser)
-    add_body_args(parser)
+    add_body_args(parser, answers=True)
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=int, default=8000, help="the router's port (instances take free ones)")
     parser.add_argument("--uvicorn-log-level", default="warning",

@@ -13,7 +13,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -48,7 +47,12 @@ class KVEventSubscriber:
     async def _run(self) -> None:
         await self._replay()
         while True:
-            _, seq_bytes, payload = await self.sub.recv_multipart()
+            frames = await self.sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:   # not (topic, seq, batch): nothing to apply
+                logger.warning("kv events of %s: a message of %d frames dropped", self.worker, len(frames))
+                self.on_batch(0, 1)
+                continue
+            _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
             if seq > self.next_seq:
                 logger.warning("kv events of %s: batches %d..%d missed", self.worker, self.next_seq, seq - 1)
@@ -63,13 +67,12 @@ class KVEventSubscriber:
         if seq < self.next_seq:
             return   # already applied (replayed, then heard live)
         try:
-            batch = decode_batch(payload)
-        except msgspec.DecodeError as e:
-            logger.warning("kv events of %s: undecodable batch %d dropped: %s", self.worker, seq, e)
+            for event in decode_batch(payload).events:
+                self.index.apply(self.worker, event)
+        except ValueError as e:   # undecodable (msgspec.DecodeError), or an event the index cannot hold
+            logger.warning("kv events of %s: batch %d dropped (from the bad event on): %s", self.worker, seq, e)
             self.on_batch(0, 1)
         else:
-            for event in batch.events:
-                self.index.apply(self.worker, event)
             self.on_batch(1, 0)
         self.next_seq = seq + 1
 
@@ -87,7 +90,12 @@ class KVEventSubscriber:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
                     logger.warning("kv events of %s: replay socket did not answer", self.worker)
                     return
-                _, seq_bytes, payload = await sock.recv_multipart()
+                frames = await sock.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    logger.warning("kv events of %s: a replay answer of %d frames: replay left", self.worker,
+                                   len(frames))
+                    return
+                _, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq < 0:
                     return

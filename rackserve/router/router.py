@@ -48,6 +48,7 @@ class Instance:
     # ends with an error) instead of hanging on an instance that stopped answering.
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     probe: asyncio.Task | None = None                  # a health check a failed request started
+    refusal: str | None = None                         # why its GET /kv_events kept it out, last time
 
     @property
     def workers(self) -> list[WorkerKey]:
@@ -169,16 +170,21 @@ class Router:
                 if resp.status != 200:
                     return
             async with self.session.get(f"{instance.url}/kv_events", timeout=timeout) as resp:
-                info = await resp.json()
+                if resp.status == 200:
+                    info = await resp.json()
+                    refusal = info_refusal(info, self.block_size)
+                else:   # e.g. 401: it was started with an --api-key the router was not given
+                    refusal = f"HTTP {resp.status} to GET /kv_events: {(await resp.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        if refusal is not None:
+            if refusal != instance.refusal:   # said once, not at every health check
+                logger.error("router: %s left out: %s", instance.url, refusal)
+            instance.refusal = refusal
             return
         if self.block_size is None:
             self.block_size = self.index.block_size = info["block_size"]
-        elif info["block_size"] != self.block_size:
-            logger.error("router: %s has block size %s, the pool %s: left out", instance.url,
-                         info["block_size"], self.block_size)
-            return
-        instance.info = info
+        instance.info, instance.refusal = info, None
         if info.get("enable_kv_cache_events"):
             host = urlparse(instance.url).hostname or "127.0.0.1"
             replays = info["replay_endpoints"]
@@ -206,10 +212,45 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            await asyncio.gather(*(self._check(i) for i in self.instances.values()))
+            results = await asyncio.gather(*(self._check(i) for i in self.instances.values()), return_exceptions=True)
+            for instance, result in zip(self.instances.values(), results):
+                if isinstance(result, Exception):   # one instance's failure must not end every instance's checks
+                    logger.error("router: checking %s failed: %r", instance.url, result)
 
     async def _check(self, instance: Instance) -> None:
         if not instance.healthy:
             await self._join(instance)
         elif not await self._answers(instance):
             await self.leave(instance, "health check failed")
+
+
+MAX_DP_RANKS = 4096   # far past any instance; a bigger count is garbage that would cost every route
+
+
+def info_refusal(info: object, block_size: int | None) -> str | None:
+    """Why an instance's GET /kv_events answer cannot join the pool (it is not a rackserve
+    instance's, it refused the router's key, it names another block size), or None. It comes from
+    another process: checked here, so one bad answer leaves out that instance and nothing else."""
+    if not isinstance(info, dict):
+        return f"GET /kv_events answered {str(info)[:200]!r}, not a rackserve instance's description"
+
+    def count(key: str, top: int) -> bool:
+        value = info.get(key)
+        return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= top
+    if (not count("block_size", 1 << 20) or not count("data_parallel_size", MAX_DP_RANKS)
+            or ("max_model_len" in info and not count("max_model_len", 1 << 40))):
+        return (f"GET /kv_events names block_size={info.get('block_size')!r}, data_parallel_size="
+                f"{info.get('data_parallel_size')!r}, max_model_len={info.get('max_model_len')!r}: "
+                "not a rackserve instance's description")
+    if not isinstance(info.get("tokenizer"), str):
+        return "GET /kv_events names no tokenizer"
+    if block_size is not None and info["block_size"] != block_size:
+        return f"it has block size {info['block_size']}, the pool {block_size}"
+    if info.get("enable_kv_cache_events"):
+        endpoints, replays, n = info.get("endpoints"), info.get("replay_endpoints"), info["data_parallel_size"]
+        if not (isinstance(endpoints, list) and isinstance(replays, list) and len(endpoints) == len(replays) == n
+                and all(isinstance(e, str) for e in endpoints)
+                and all(r is None or isinstance(r, str) for r in replays)
+                and isinstance(info.get("topic"), (str, type(None)))):
+            return "GET /kv_events names KV event endpoints that do not match its DP ranks"
+    return None

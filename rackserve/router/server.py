@@ -24,7 +24,7 @@ import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rackserve.engine.tokenizer import Tokenizer, load_tokenizer
-from rackserve.router import BOTH
+from rackserve.router import BOTH, MAX_ANSWER_BYTES
 from rackserve.router.body import parse_body, prompt_chars, prompt_messages
 from rackserve.router.disagg import forward_disaggregated
 from rackserve.router.load import uncached_prefill_blocks
@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 class RouterFront:
     def __init__(self, router: Router, tokenizer_path: str | None = None,
                  request_timeout_s: float = 600.0,
-                 max_request_body_bytes: int = ServerLimits().max_request_body_bytes) -> None:
+                 max_request_body_bytes: int = ServerLimits().max_request_body_bytes,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.router = router
+        self.max_answer_bytes = max_answer_bytes
         self.max_request_body_bytes = max_request_body_bytes   # read by app.py, before forward()
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Tokenizer | None = None
@@ -126,8 +128,12 @@ class RouterFront:
         resp = await session.post(f"{url}{path}", json=body, timeout=self.timeout)
         try:
             if resp.status != 200 or not body.get("stream"):
-                data = await resp.read()
+                data = await _read_whole(resp, self.max_answer_bytes)
                 self.router.loads.finish(request_id)
+                if data is None:
+                    resp.close()
+                    return error_response(OpenAIError(f"the instance's answer ran past --max-answer-bytes "
+                                                      f"{self.max_answer_bytes}", 502, type="server_error"))
                 if resp.status == 200:
                     self._count_usage(url, data)
                 return Response(data, status_code=resp.status, media_type=resp.content_type)
@@ -188,6 +194,19 @@ async def _unless_gone(instance: Instance, work: Awaitable[Any]) -> Any:
     if task.cancelled():
         raise ConnectionError(f"{instance.url} left the pool")
     return task.result()
+
+
+async def _read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The answer's body, or None once it passes `limit` bytes (read no further)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _read_event(resp: aiohttp.ClientResponse) -> bytes:
