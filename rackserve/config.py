@@ -48,6 +48,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int = 0   # most prompt tokens of one request in a step; 0: no cap
+    max_waiting_tokens: int = 0             # steps prompt work may wait for running decodes; 0: never waits
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = _opt(0, "most prompt tokens one request computes in a step "
                                              "(0: no cap); lower keeps decode steps short while a "
                                              "long prompt is prefilled")
+    max_waiting_tokens: int = _opt(0, "while requests are decoding, prompt work waits for up to this many "
+                                   "steps in a row (TGI's flag; 0: never), so that decodes seldom share a "
+                                   "step with a prompt chunk; the next step takes prompt tokens as usual")
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
     kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: the model's. bfloat16 or float16 under "
@@ -328,7 +332,9 @@ class EngineArgs:
                             self.num_gpu_blocks_override,
                             None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
-        sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold)
+        _require(self.max_waiting_tokens >= 0, "max_waiting_tokens must be >= 0")
+        sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold,
+                                self.max_waiting_tokens)
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
         kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),

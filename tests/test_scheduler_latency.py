@@ -1,8 +1,11 @@
 """Scheduling for latency: a long prompt never takes the tokens of the decodes already running
-(decode first), and --long-prefill-token-threshold caps one request's prefill chunk per step."""
+(decode first), --long-prefill-token-threshold caps one request's prefill chunk per step, and
+--max-waiting-tokens lets prompt work wait a few steps while requests decode."""
 from __future__ import annotations
 
 import dataclasses
+
+import pytest
 
 from rackserve.config import EngineArgs
 from rackserve.core.scheduler import Scheduler
@@ -13,6 +16,24 @@ def with_threshold(threshold: int, **kw) -> Scheduler:
     sched = make_scheduler(**kw)
     sched.long_prefill_token_threshold = threshold
     return sched
+
+
+def with_waiting(steps: int, **kw) -> Scheduler:
+    sched = make_scheduler(**kw)
+    sched.max_waiting_tokens = steps
+    return sched
+
+
+def steps_of(sched: Scheduler, arrivals: dict[int, tuple]) -> list[dict[str, int]]:
+    """Tokens scheduled per request in each step until all finish; arrivals[k] = add()'s arguments
+    of the requests that arrive before step k."""
+    steps = []
+    while sched.has_unfinished_requests() or len(steps) in arrivals:
+        for args in arrivals.get(len(steps), ()):
+            add(sched, *args)
+        so, _ = run_step(sched)
+        steps.append(dict(so.num_scheduled_tokens))
+    return steps
 
 
 def test_decodes_keep_their_tokens_beside_a_long_prefill():
@@ -48,13 +69,46 @@ def test_long_prefill_threshold_caps_each_chunk_and_changes_no_token():
     assert capped == uncapped
 
 
-def test_threshold_flag_reaches_the_scheduler(tmp_path):
-    args = EngineArgs(model=str(tmp_path), long_prefill_token_threshold=64)
-    assert args.create_engine_config().scheduler.long_prefill_token_threshold == 64
-    bad = dataclasses.replace(args, long_prefill_token_threshold=-1)
-    try:
-        bad.create_engine_config()
-    except ValueError as e:
-        assert "long_prefill_token_threshold" in str(e)
-    else:
-        raise AssertionError("a negative threshold must be refused")
+@pytest.mark.parametrize("flag", ["long_prefill_token_threshold", "max_waiting_tokens"])
+def test_flags_reach_the_scheduler(tmp_path, flag):
+    args = EngineArgs(model=str(tmp_path), **{flag: 64})
+    config = args.create_engine_config()
+    assert getattr(config.scheduler, flag) == 64
+    resolved = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=64))
+    assert getattr(Scheduler(resolved, 64), flag) == 64
+    with pytest.raises(ValueError, match=flag):
+        dataclasses.replace(args, **{flag: -1}).create_engine_config()
+
+
+def test_prompts_wait_while_requests_decode_then_go_together():
+    # b arrives while a decodes: it waits 2 steps, then its whole prompt goes beside a's decode.
+    sched = with_waiting(2, budget=16)
+    assert steps_of(sched, {0: [("a", 4, 6)], 1: [("b", 10, 2, 100)]}) == [
+        {"a": 4}, {"a": 1}, {"a": 1}, {"a": 1, "b": 10}, {"a": 1, "b": 1}, {"a": 1}]
+    # Without the flag b goes at once; with it, b goes as soon as no request is decoding.
+    assert steps_of(with_waiting(0, budget=16), {0: [("a", 4, 3)], 1: [("b", 10, 2, 100)]}) == [
+        {"a": 4}, {"a": 1, "b": 10}, {"a": 1, "b": 1}]
+    assert steps_of(with_waiting(8, budget=16), {0: [("a", 4, 3)], 1: [("b", 10, 2, 100)], 2: [("c", 3, 2, 200)]}) == [
+        {"a": 4}, {"a": 1}, {"a": 1}, {"b": 10, "c": 3}, {"b": 1, "c": 1}]
+
+
+def test_an_unfinished_prompt_waits_too_and_the_count_restarts():
+    # b's prompt takes 7 tokens beside a's decode every second step; once a ends, b's rest goes at once.
+    sched = with_waiting(1, budget=8)
+    assert steps_of(sched, {0: [("a", 4, 5)], 1: [("b", 20, 2, 100)]}) == [
+        {"a": 4}, {"a": 1}, {"a": 1, "b": 7}, {"a": 1}, {"a": 1, "b": 7}, {"b": 6}, {"b": 1}]
+
+
+def test_waiting_prompts_change_no_token():
+    def run(steps: int) -> dict:
+        sched = with_waiting(steps, budget=12)
+        results: dict[str, list[int]] = {}
+        for i, n in enumerate([5, 17, 3, 9]):
+            add(sched, f"r{i}", n, max_tokens=6, start=100 * i)
+            _, outs = run_step(sched)
+            for out in outs:
+                results.setdefault(out.req_id, []).extend(out.new_token_ids)
+        for req_id, tokens in run_to_completion(sched).items():
+            results.setdefault(req_id, []).extend(tokens)
+        return results
+    assert run(3) == run(0) and len(run(0)) == 4

@@ -93,7 +93,8 @@ def test_mtp_draft_passes_vanish_without_drafts_and_add_up_one_pass_at_a_time():
 
 def test_the_long_prefill_cap_reaches_both_pools_schedulers():
     """`rackserve sim --long-prefill-token-threshold` is vLLM's cap on one prompt's tokens a step:
-    the simulated engine's scheduler takes it, a P/D prefill pool with its own budget keeps it."""
+    the simulated engine's scheduler takes it, a P/D prefill pool with its own budget keeps it (and
+    `--max-waiting-tokens` likewise)."""
     import argparse
     from rackserve.sim.cli import add_args
     from rackserve.sim.instance import SimSetup
@@ -101,9 +102,10 @@ def test_the_long_prefill_cap_reaches_both_pools_schedulers():
     add_args(parser)
     args = parser.parse_args(["--model", "qwen3-30b-a3b", "--hardware", "H100", "--prefill", "1", "--decode", "1",
                               "--max-num-batched-tokens", "8192", "--prefill-max-num-batched-tokens", "16384",
-                              "--long-prefill-token-threshold", "4096"])
+                              "--long-prefill-token-threshold", "4096", "--max-waiting-tokens", "20"])
     setup = SimSetup.from_args(args, HARDWARE["H100"])
     assert setup.config.scheduler.long_prefill_token_threshold == 4096
+    assert setup.config.scheduler.max_waiting_tokens == setup.prefill.config.scheduler.max_waiting_tokens == 20
     prefill = setup.prefill.config.scheduler
     assert (prefill.max_num_batched_tokens, prefill.long_prefill_token_threshold) == (16384, 4096)
     assert SimSetup.from_args(parser.parse_args(["--model", "qwen3-30b-a3b", "--hardware", "H100"]),

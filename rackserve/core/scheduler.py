@@ -42,6 +42,8 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.long_prefill_token_threshold = config.scheduler.long_prefill_token_threshold
+        self.max_waiting_tokens = config.scheduler.max_waiting_tokens
+        self._prompts_waited = 0   # steps in a row that prompt work waited for the decodes
         self.block_size = config.cache.block_size
         if kv_cache_config is not None:   # the scarcest non-sliding group bounds a request
             num_kv_blocks = min(g.num_blocks * g.block_size // self.block_size for g in kv_cache_config.groups[1:])
@@ -121,13 +123,15 @@ class Scheduler:
         # Decode first: a prefill chunk ahead of decodes in the queue leaves them their tokens,
         # so that a long prompt never stalls the streams already generating.
         decodes_left = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        prefill_left = self._prefill_allowance(decodes_left)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
             assert remaining > 0, "a running request always has a token to compute"
             decodes_left -= remaining == 1
-            n = remaining if remaining == 1 else self._prefill_chunk(remaining, budget - decodes_left)
+            n = remaining if remaining == 1 else \
+                self._prefill_chunk(remaining, min(budget - decodes_left, prefill_left))
             if n == 0:
                 i += 1
                 continue
@@ -146,10 +150,11 @@ class Scheduler:
             cached_reqs.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
             num_scheduled[request.request_id] = n
             budget -= n
+            prefill_left -= n if remaining > 1 else 0
             i += 1
 
         # Admitting while preempting would only thrash: whoever was preempted waits first.
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and budget > 0 and prefill_left > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             landed = self.remote is not None and request.request_id in self.remote.landed
@@ -167,7 +172,7 @@ class Scheduler:
                 self._count_lookup(request, hit.num_tokens, external_queries=request.num_tokens - hit.num_tokens)
                 continue
             start = request.num_computed_tokens if landed else hit.num_tokens
-            n = self._prefill_chunk(request.num_tokens - start, budget)
+            n = self._prefill_chunk(request.num_tokens - start, min(budget, prefill_left))
             if self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.popleft()
@@ -183,6 +188,7 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
+            prefill_left -= n
 
         # The KV of scheduled tokens is computed by the time anyone looks again.
         for req_id, n in num_scheduled.items():
@@ -231,6 +237,21 @@ class Scheduler:
                 request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
                 kv_transfer_params))
         return outputs
+
+    def _prefill_allowance(self, num_decodes: int) -> int:
+        """Prompt tokens this step may compute, all requests together. With --max-waiting-tokens N
+        (TGI's flag), prompt work (admissions and unfinished prompts) waits while requests decode, up
+        to N steps in a row: no new decode joins meanwhile, so the running ones finish in steps of
+        their own, and the prompts that waited are then computed together, mostly beside no decode.
+        A decode's interval then seldom holds a prompt chunk (a CPU computes a prompt token in about
+        a quarter of a batch-1 decode step); the prompts' first tokens come later."""
+        pending = self.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
+        if not (self.max_waiting_tokens and num_decodes and pending) \
+                or self._prompts_waited >= self.max_waiting_tokens:
+            self._prompts_waited = 0
+            return self.max_num_batched_tokens
+        self._prompts_waited += 1
+        return 0
 
     def _prefill_chunk(self, remaining: int, budget: int) -> int:
         """Prompt tokens one request computes this step: at most --long-prefill-token-threshold

@@ -52,6 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--max-num-batched-tokens", type=int, default=512, help="token budget of a step per DP rank")
     a("--long-prefill-token-threshold", type=int, default=0, help="most prompt tokens one request computes in a "
       "step (vLLM's flag; 0: no cap): a step's budget then spans several prompts")
+    a("--max-waiting-tokens", type=int, default=0, help="steps in a row prompt work may wait while requests "
+      "decode (TGI's flag, as rackserve serve takes it; 0: never)")
     a("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     a("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache per device")
     a("--num-gpu-blocks-override", type=int, default=None, help="exact KV blocks per DP rank")

@@ -70,7 +70,8 @@ class SimSetup:
                         device="sim", max_model_len=max_len, seed=args.seed),
             CacheConfig(args.block_size, args.kv_cache_memory, args.enable_prefix_caching,
                         args.num_gpu_blocks_override),
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold,
+                            args.max_waiting_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
         from rackserve.sim.routing import make_router
