@@ -245,9 +245,8 @@ class Scheduler:
         their own, and the prompts that waited are then computed together, mostly beside no decode.
         A decode's interval then seldom holds a prompt chunk (a CPU computes a prompt token in about
         a quarter of a batch-1 decode step); the prompts' first tokens come later."""
-        pending = self.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)
-        if not (self.max_waiting_tokens and num_decodes and pending) \
-                or self._prompts_waited >= self.max_waiting_tokens:
+        if not (self.max_waiting_tokens and num_decodes) or self._prompts_waited >= self.max_waiting_tokens \
+                or not (self.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running)):
             self._prompts_waited = 0
             return self.max_num_batched_tokens
         self._prompts_waited += 1
