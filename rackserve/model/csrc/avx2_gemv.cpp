@@ -135,7 +135,9 @@ const QuantizedRows& quantize_rows16(const float* x, int64_t rows, int64_t k, in
     }
     o.dx[b] = d;
     o.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-    o.qsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    o.qsum[b] = hsum(sum);
+    o.rsum[b] = hsum(_mm256_blend_epi32(sum, _mm256_setzero_si256(), 0xAA));   // x[4g] and x[4g + 2]
   }
   return out;
 }
@@ -163,7 +165,7 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
   constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
   const int16_t* xj = x.x16.data() + row * k;
   const float *dx = x.dx.data() + row * nb, *fsum = x.fsum.data() + row * nb;
-  const int32_t* jsum = x.qsum.data() + row * nb;
+  const int32_t *jsum = x.qsum.data() + row * nb, *lsum = x.rsum.data() + row * nb;
   // The broadcast pair i of the block's reordered inputs (quantize_rows16).
   auto pair = [&](int i) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xj + 2 * i)); };
   __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
@@ -171,25 +173,30 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
     for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
     __m256i s;   // sum(code * j) per output row
     if constexpr (kKind == 2) {
+      // The low bytes as q + 128 (mask, flip the sign bit): no shift; the 128 sum(x[4g], x[4g + 2])
+      // they add is taken out once a block.
+      const __m256i low = _mm256_set1_epi16(0xFF), sign = _mm256_set1_epi16(0x80);
       __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
-        const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), hi = _mm256_srai_epi16(v, 8);
+        const __m256i lo = _mm256_xor_si256(_mm256_and_si256(v, low), sign), hi = _mm256_srai_epi16(v, 8);
         s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(lo, pair(2 * g)));
         s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(hi, pair(2 * g + 1)));
       }
-      s = _mm256_add_epi32(s0, s1);
+      s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * lsum[b]));
     } else {
-      const __m256i nibble = _mm256_set1_epi16(0x0F);
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      // Three nibbles of a lane masked in place (16 and 256 times their codes: sums kept apart and
+      // shifted back exactly, 256 * 15 * 32767 * 8 < 2^31), the top one shifted down.
+      const __m256i n0 = _mm256_set1_epi16(0x000F), n1 = _mm256_set1_epi16(0x00F0), n2 = _mm256_set1_epi16(0x0F00);
+      __m256i s0 = _mm256_setzero_si256(), s4 = _mm256_setzero_si256(), s8 = _mm256_setzero_si256();
       for (int g = 0; g < 4; ++g) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
-        const __m256i c0 = _mm256_and_si256(v, nibble), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble);
-        const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), c3 = _mm256_srli_epi16(v, 12);
-        s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(c0, pair(2 * g)), _mm256_madd_epi16(c1, pair(2 * g + 1))));
-        s1 = _mm256_add_epi32(s1, _mm256_add_epi32(_mm256_madd_epi16(c2, pair(8 + 2 * g)), _mm256_madd_epi16(c3, pair(9 + 2 * g))));
+        s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, n0), pair(2 * g)),
+                                                   _mm256_madd_epi16(_mm256_srli_epi16(v, 12), pair(9 + 2 * g))));
+        s4 = _mm256_add_epi32(s4, _mm256_madd_epi16(_mm256_and_si256(v, n1), pair(8 + 2 * g)));
+        s8 = _mm256_add_epi32(s8, _mm256_madd_epi16(_mm256_and_si256(v, n2), pair(2 * g + 1)));
       }
-      s = _mm256_add_epi32(s0, s1);
+      s = _mm256_add_epi32(s0, _mm256_srai_epi32(_mm256_add_epi32(s4, _mm256_srai_epi32(s8, 4)), 4));
       if constexpr (kKind == 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * jsum[b]));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
