@@ -83,14 +83,11 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         vocab = logits.shape[1]
-        # A top_k of the whole vocabulary or more filters nothing (vLLM clamps it alike).
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-        if len(filtered) == len(params):
-            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        elif filtered:
-            index = torch.tensor(filtered, device=device)
-            logits[index] = apply_top_k_top_p(logits[index], [params[i].top_k for i in filtered],
-                                              [params[i].top_p for i in filtered])
+        # A top_k of the whole vocabulary or more filters nothing (vLLM clamps it alike); rows
+        # without filters pass through. `logits` is this method's own (divided above): masked in place.
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params],
+                                       inplace=True)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(row.generator is None for row in rows):
