@@ -259,3 +259,99 @@ def test_150_concurrent_streams_all_reach_the_instance_and_health_answers(kind, 
     finally:
         stop_all([front])
         stub.stop()
+
+
+# ---- instances' answers: too large, or of the wrong shape -----------------------------------
+
+
+def test_proxy_caps_what_it_reads_of_an_answer_and_refuses_a_prefill_answer_not_an_object(tokenizer, tmp_path):
+    """Before: the proxy read a prefill (or decode) answer whole, however large, and a prefill
+    answer that was JSON but not an object raised AttributeError out of the handler (a text 500)."""
+    stub = StubInstance(tokenizer)
+    front, url = _start_front("proxy", tmp_path, [stub], "--max-answer-bytes", "1000")
+    try:
+        for stream in (False, True):
+            stub.answer = json.dumps({"kv_transfer_params": None, "pad": "x" * 5000}).encode()
+            resp = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
+            assert resp.status_code == 502 and "--max-answer-bytes 1000" in _openai_error(resp)["message"]
+            for answer in (b"[1, 2]", b'"kv"', b"3"):
+                stub.answer = answer
+                resp = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
+                assert resp.status_code == 502 and "not a JSON object" in _openai_error(resp)["message"]
+        stub.answer = None
+        assert httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
+    finally:
+        stop_all([front])
+        stub.stop()
+
+
+def test_router_runs_a_request_whole_on_its_decoder_when_the_prefill_answer_is_not_an_object(tokenizer, tmp_path):
+    """Before: json.loads(...).get on a prefill answer that was a JSON array raised out of the
+    router's P/D flow: a 500 for a request its decoder could serve whole."""
+    prefill, decode = StubInstance(tokenizer), StubInstance(tokenizer)
+    front, url = start_command(["router", "--prefill-worker", prefill.url, "--decode-worker", decode.url,
+                                "--pd-threshold-tokens", "1", "--tokenizer", tokenizer], tmp_path / "router.log",
+                               timeout=120)
+    decode.let_go()
+    try:
+        for answer in (b"[1, 2]", b'"kv"', b"{not json"):
+            prefill.answer = answer
+            for stream in (False, True):
+                before = len(prefill.arrived)
+                resp = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}, timeout=30)
+                assert resp.status_code == 200, resp.text
+                assert len(prefill.arrived) == before + 1   # it was disaggregated, and the prefill hop ran
+                assert "kv_transfer_params" not in decode.arrived[-1] and decode.arrived[-1].get("stream") == stream
+    finally:
+        stop_all([front])
+        prefill.stop()
+        decode.stop()
+
+
+BAD_USAGE = [[1], "many", {"prompt_tokens_details": "x"}, {"prompt_tokens_details": {"cached_tokens": "7"}},
+             {"prompt_tokens_details": {"cached_tokens": -3}, "completion_tokens": "two"},
+             {"prompt_tokens_details": [1], "completion_tokens": -1}]
+
+
+def test_router_passes_answers_with_malformed_usage_through(tokenizer, tmp_path):
+    """Before: a usage that was not an object (or whose details were not) raised inside the
+    router: a 500 for a whole answer, a stream cut without [DONE]; a negative count raised in the
+    metric."""
+    stub = StubInstance(tokenizer)
+    front, url = _start_front("router", tmp_path, [stub], "--tokenizer", tokenizer)
+    stub.let_go()
+    try:
+        for usage in BAD_USAGE:
+            stub.answer = json.dumps({"id": "x", "choices": [], "usage": usage}).encode()
+            resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+            assert resp.status_code == 200 and resp.content == stub.answer
+            stub.stream_usage = usage
+            resp = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=30)
+            assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n") and "error" not in resp.text
+        for answer in (b"[1]", b'"usage"', b"{]"):   # not even an object: passed on as it came
+            stub.answer = answer
+            resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+            assert resp.status_code == 200 and resp.content == answer
+        assert front.poll() is None
+    finally:
+        stop_all([front])
+        stub.stop()
+
+
+def test_router_leaves_out_an_instance_whose_kv_events_answer_is_past_4_mib(tokenizer, tmp_path):
+    """Before: GET /kv_events was read and parsed whole, however large (a description of 4096 DP
+    ranks takes well under 1 MiB)."""
+    good, big = StubInstance(tokenizer), StubInstance(tokenizer)
+    info = json.loads(big.kv_events)
+    big.kv_events = json.dumps({**info, "pad": "x" * (5 << 20)}).encode()
+    front, url = start_command(["router", "--worker", good.url, "--worker", big.url, "--tokenizer", tokenizer,
+                                "--health-interval", "0.3"], tmp_path / "router.log", timeout=120)
+    try:
+        time.sleep(1)   # a few health checks: it is asked again at each, and left out each time
+        pool = {i["url"]: i["healthy"] for i in httpx.get(f"{url}/router").json()["instances"]}
+        assert pool == {good.url: True, big.url: False}
+        assert f"GET /kv_events answered more than {4 << 20} bytes" in (tmp_path / "router.log").read_text()
+    finally:
+        stop_all([front])
+        good.stop()
+        big.stop()
