@@ -340,3 +340,17 @@ def test_the_front_path_probe_measures_what_the_client_waits_beyond_the_engine(s
     assert points[1]["prompt_tokens"] > points[0]["prompt_tokens"] >= 8 and [p["words"] for p in points] == [8, 200] * 2
     a, b = fit(points)
     assert a >= 0 and b >= 0 and a + b * points[1]["prompt_tokens"] < max(p["client_ttft_s"] for p in points)
+
+
+def test_the_front_path_probe_times_an_answer_of_special_tokens(server):
+    """Under ignore_eos a model may answer EOS (<|im_end|>, a special token) for both of a probe's
+    tokens, which streams no text by default: the probe once crashed on the missing first chunk
+    (SmolLM2 on the Zen 1, session 12). Forced here with a logit bias: it still times the first token."""
+    import asyncio
+
+    from rackserve.bench.front_path import probe
+    from rackserve.bench.token_text import load_server_tokenizer
+    eos = sorted(load_server_tokenizer(server.tokenizer_dir).eos_token_ids)
+    points = asyncio.run(probe(server.url, MODEL, ["alpha", "beta"], lengths=(8, 64), repeats=1,
+                               fields={"logit_bias": {str(i): 100.0 for i in eos}}))
+    assert len(points) == 2 and all(0 < p["server_ttft_s"] < p["client_ttft_s"] for p in points)

@@ -51,11 +51,15 @@ def _prompt(words: int, index: int, vocabulary: Sequence[str]) -> str:
 
 
 async def probe(base_url: str, model: str, vocabulary: Sequence[str], lengths: Sequence[int] = LENGTHS,
-                repeats: int = REPEATS) -> list[dict]:
-    """One point per request: prompt tokens, client TTFT, the server's TTFT, their difference."""
+                repeats: int = REPEATS, fields: dict | None = None) -> list[dict]:
+    """One point per request: prompt tokens, client TTFT, the server's TTFT, their difference.
+    `fields`: more request fields (a logit bias)."""
     points = []
+    # Special tokens' text too: under ignore_eos a model may answer <|im_end|> twice (SmolLM2 does
+    # on some probes), which streams no text without it, and the client then has no first chunk.
+    fields = {**eos_fields("ignore_eos"), "skip_special_tokens": False, **(fields or {})}
     async with aiohttp.ClientSession() as http:
-        client = ChatClient(base_url, model, http, run_clock(), 600.0, eos_fields("ignore_eos"))
+        client = ChatClient(base_url, model, http, run_clock(), 600.0, fields)
         await client.send([{"role": "user", "content": _prompt(16, -1, vocabulary)}],
                           RequestRecord(0, 0, "warmup", 0, "warmup", 16, 2, 0.0))     # first-request costs
         for index in range(repeats * len(lengths)):
@@ -66,6 +70,8 @@ async def probe(base_url: str, model: str, vocabulary: Sequence[str], lengths: S
             after = await _server_ttft(http, base_url)
             if not record.ok or after[1] - before[1] != 1:
                 raise ValueError(f"request {index} failed or was not alone on the server: {record.error_message}")
+            if record.first_chunk is None:     # tokens whose text is empty even so (a partial UTF-8 character)
+                raise ValueError(f"request {index} streamed no text: its first token has no client TTFT")
             client_ttft, server_ttft = record.first_chunk - record.start, after[0] - before[0]
             points.append({"words": words, "prompt_tokens": record.prompt_tokens, "client_ttft_s": client_ttft,
                            "server_ttft_s": server_ttft, "front_s": client_ttft - server_ttft})

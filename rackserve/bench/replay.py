@@ -29,6 +29,12 @@ from rackserve.bench.token_text import PromptRenderer
 from rackserve.bench.workload import Session, SubagentGroup, Turn, Workload
 
 
+def play_marker(number: int, run_id: str) -> str:
+    """The text that opens a play's every prompt after the shared prefix (the simulator tokenizes
+    it as the server does: sim/chat_template.marker_ids)."""
+    return f"[play {number} of {run_id}]"
+
+
 @dataclass(frozen=True)
 class ReplayConfig:
     concurrency: int
@@ -99,7 +105,7 @@ class Replay:
         turns = tree.turns
         first = int(random.Random(f"{self.config.seed}/{number}").uniform(0.25, 0.75) * len(turns))
         # The play number first: markers of two plays part within a few tokens.
-        play = _Play(number, tree, first, f"[play {number} of {self.config.run_id}]")
+        play = _Play(number, tree, first, play_marker(number, self.config.run_id))
         if first > 0:
             self.stats.lanes[lane] = "warm-up"
             # One output token: the point is the prefix, not the answer.

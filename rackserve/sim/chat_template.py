@@ -6,11 +6,16 @@ words. The simulator's client counts one token per word; this adds the template'
 from the tokenizer (three probe conversations), as fixed token sequences so that equal template
 parts stay equal tokens and the prefix cache shares them as it shares the served ones.
 
-It owns the measurement and the wrapping; it must never tokenize a workload's text (the
-simulator counts words).
+The one text it does tokenize is bench's play marker ("[play 3 of 1f0c9a2bc4]", replay.py), which
+opens every prompt's own part: brackets, digits and hex split into ~10-14 tokens where its four words
+would count 4, so `marker_ids` encodes it with the server's tokenizer (once a play), as the server does.
+
+It owns the measurement, the marker and the wrapping; it must never tokenize a workload's blocks
+(the simulator counts words).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,10 +41,16 @@ class TemplateTokens:
         return ids + [token(f"<template generation {i}>") for i in range(self.generation)]
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_name: str):
+    from rackserve.bench.token_text import load_server_tokenizer
+    return load_server_tokenizer(tokenizer_name)
+
+
 def measure(tokenizer_name: str) -> TemplateTokens:
     """The template's token counts for a tokenizer (a .gguf, an HF directory or an alias)."""
-    from rackserve.bench.token_text import load_server_tokenizer, vocabulary_from_tokenizer
-    tokenizer = load_server_tokenizer(tokenizer_name)
+    from rackserve.bench.token_text import vocabulary_from_tokenizer
+    tokenizer = _tokenizer(tokenizer_name)
     text = " ".join(vocabulary_from_tokenizer(tokenizer, tokenizer_name, PROBE_WORDS).words[:PROBE_WORDS])
 
     def length(*roles: str) -> int:
@@ -61,3 +72,15 @@ def template_for(tokenizer_name: str | None) -> TemplateTokens:
         return measure(tokenizer_name)
     except (ValueError, FileNotFoundError, OSError):
         return TemplateTokens()
+
+
+def marker_ids(tokenizer_name: str | None) -> Callable[[str], list[int]] | None:
+    """The server's tokens of a short text outside the workload's blocks (bench's play marker), or
+    None where `template_for` finds no tokenizer (the marker then counts a token a word)."""
+    if tokenizer_name in (None, "none"):
+        return None
+    try:
+        tokenizer = _tokenizer(tokenizer_name)
+    except (ValueError, FileNotFoundError, OSError):
+        return None
+    return functools.lru_cache(maxsize=1024)(lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Callable
 
 from rackserve.bench.metrics import CONTEXT_OVERFLOW, RequestRecord
@@ -140,10 +141,11 @@ class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
     def __init__(self, instances: list[SimInstance], router: SimRouter, clock: Callable[[], float],
-                 vocab_size: int, template: TemplateTokens = TemplateTokens(), front: tuple[float, float] = (0.0, 0.0)):
+                 vocab_size: int, template: TemplateTokens = TemplateTokens(), front: tuple[float, float] = (0.0, 0.0),
+                 marker: Callable[[str], Sequence[int]] | None = None):
         self.instances, self.router, self.clock = instances, router, clock
         self.front = front      # the serving front path: (seconds a request, seconds a prompt token)
-        self.tokens = Tokens(vocab_size, template)
+        self.tokens = Tokens(vocab_size, template, marker)   # marker: the server's tokens of bench's play marker
         self._ids = itertools.count()
         self.prefill: list[SimInstance] = []
 

@@ -12,12 +12,13 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import Callable
 
 from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig)
 from rackserve.engine.core import EngineCore
-from rackserve.sim.chat_template import TemplateTokens, template_for
+from rackserve.sim.chat_template import TemplateTokens, marker_ids, template_for
 from rackserve.sim.cost import CostModel, ParallelShape
 from rackserve.sim.executor import SimExecutor, kv_blocks_for
 from rackserve.sim.hardware import GIB, Hardware
@@ -26,6 +27,12 @@ from rackserve.sim.model_spec import ModelSpec, load_model_spec
 from rackserve.sim.kv_store import SimMultiTransfer, SimStore, SimStoreTransfer, with_store
 from rackserve.sim.transfer import SimFabric, SimTransfer, pd_instance
 from rackserve.sim.virtual_loop import run_virtual
+
+
+def run_id(seed: int, concurrency: int) -> str:
+    """The run's name in every play marker, shaped as bench serve's (8 hex digits, then c and the
+    level: serve_bench.py's nonce is random, this one follows the seed), so markers are as long."""
+    return f"{blake2b(f'sim{seed}'.encode(), digest_size=4).hexdigest()}c{concurrency}"
 
 
 @dataclass
@@ -47,6 +54,7 @@ class SimSetup:
     # (bench/step_trace.py) runs the real model with the virtual clock driven by its step times.
     executor_factory: "Callable[[SimSetup, int], SimExecutor] | None" = None
     template: TemplateTokens = TemplateTokens()     # the chat template's tokens around each prompt's words
+    tokenizer: str | None = None                    # whose tokens bench's play marker takes (marker_ids)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, hardware: Hardware, as_measured: dict | None = None) -> "SimSetup":
@@ -84,6 +92,7 @@ class SimSetup:
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
                     args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement,
                     template=template_for(args.model if args.tokenizer is None else args.tokenizer),
+                    tokenizer=args.model if args.tokenizer is None else args.tokenizer,
                     kv_pool_gib=args.kv_pool_memory,
                     kv_pool_bandwidth=(args.kv_pool_bandwidth * 1e9 if args.kv_pool_bandwidth
                                        else hardware.scale_out_bw))
@@ -193,7 +202,7 @@ class SimSetup:
                 "kv_blocks_per_dp_rank": kv_blocks_for(self.spec, self.config),
                 "num_speculative_tokens": self.num_speculative_tokens, "acceptance_rate": self.acceptance_rate,
                 "kv_pool_gib": self.kv_pool_gib, "kv_pool_bandwidth": self.kv_pool_bandwidth,
-                "chat_template_tokens": dataclasses.asdict(self.template)}
+                "chat_template_tokens": dataclasses.asdict(self.template), "marker_tokenizer": self.tokenizer if marker_ids(self.tokenizer) else None}
 
     def run_level(self, workload, renderer, concurrency: int, duration: float, think_time_cap: float,
                   seed: int) -> dict:
@@ -225,10 +234,11 @@ class SimSetup:
             pools.append(pool)
             tasks = [asyncio.ensure_future(i.run()) for i in instances + prefill]
             client = SimClient(instances, router, clock, self.spec.vocab_size, self.template,
-                               (self.hardware.serve_request_overhead, self.hardware.serve_prompt_token_overhead))
+                               (self.hardware.serve_request_overhead, self.hardware.serve_prompt_token_overhead),
+                               marker_ids(self.tokenizer))
             if prefill:
                 client.disaggregate(prefill, prefill_router)
-            config = ReplayConfig(concurrency, duration, think_time_cap, seed, f"sim{seed}c{concurrency}")
+            config = ReplayConfig(concurrency, duration, think_time_cap, seed, run_id(seed, concurrency))
             try:
                 records = await Replay(workload, renderer, client, config).run()
             finally:

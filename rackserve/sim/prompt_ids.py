@@ -7,14 +7,15 @@ and splitting them again on every request.
 (the play marker and the (namespace, key) of each block) instead of text, and `Tokens.encode`
 turns a block into ids once and reuses them. A block's words always get the same ids and are
 met in the text's order, so the ids are exactly the text path's (tests/test_sim_speed.py
-checks it). This file owns that mapping; it must never decide token counts (workloads do) nor
+checks it). The head (bench's play marker) is no workload text: it takes the server tokenizer's
+tokens where `Tokens` is given them (chat_template.marker_ids), as a served prompt does. This file owns that mapping; it must never decide token counts (workloads do) nor
 step an engine.
 """
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from rackserve.bench.token_text import PromptRenderer
@@ -52,9 +53,10 @@ class Tokens:
     inside the chat template's own tokens (chat_template.py). Ids wrap at the vocabulary's size,
     so a real model can take them too (a step trace)."""
 
-    def __init__(self, vocab_size: int, template: TemplateTokens = TemplateTokens()) -> None:
+    def __init__(self, vocab_size: int, template: TemplateTokens = TemplateTokens(),
+                 marker: Callable[[str], Sequence[int]] | None = None) -> None:
         self.ids: dict[str, int] = {}
-        self.vocab_size, self.template = vocab_size, template
+        self.vocab_size, self.template, self.marker = vocab_size, template, marker
         self._blocks: OrderedDict[tuple[str, int], array] = OrderedDict()    # a whole block's ids
 
     def _id(self, word: str) -> int:
@@ -69,7 +71,10 @@ class Tokens:
     def _words(self, content: "str | BlockText") -> list[int]:
         if isinstance(content, str):
             return [self._id(w) for w in content.split()]
-        ids = [self._id(w) for w in content.head.split()]
+        if self.marker is not None and content.head:    # the server's tokens, in their own id names
+            ids = [self._id(f"<marker {t}>") for t in self.marker(content.head)]
+        else:
+            ids = [self._id(w) for w in content.head.split()]
         blocks, cache = content.blocks, self._blocks
         for i, key in enumerate(blocks):
             whole = cache.get(key)

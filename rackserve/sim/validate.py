@@ -1,7 +1,9 @@
 """Simulated against measured: for each concurrency level present in both a `bench serve` result
 and a `rackserve sim` result, the error of throughput per device and of P90 interactivity (and of
 TTFT P50 and hit rate, for the record). `python -m rackserve.sim.validate MEASURED SIMULATED
-[--output FILE]` prints the table and writes it as JSON.
+[--output FILE]` prints the table and writes it as JSON, with the machine each side ran on (CPU with
+its family and model, load average: `machine`) and the calibration that priced the simulation: an
+error means little without the processor and the load the measurement had.
 
 This file owns the comparison only; it must never run a benchmark or a simulation.
 """
@@ -48,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.measured) as f, open(args.simulated) as g:
         measured, simulated = json.load(f), json.load(g)
     rows = compare(measured, simulated)
+    machines = {"measured": measured.get("machine"), "simulated": simulated.get("machine")}
+    calibration = (simulated.get("sim") or {}).get("calibration")
+    m = machines["measured"] or {}
+    print(f"measured on {m.get('cpu', 'an unrecorded CPU')} x{m.get('cpu_count', '?')}, load average at its end "
+          f"{'/'.join(f'{x:.2f}' for x in m.get('load_average', [])) or 'unrecorded'}; "
+          f"simulated with {calibration or (simulated.get('sim') or {}).get('hardware', 'an unrecorded device')}")
     for r in rows:
         r["within_goal"] = all(r[k]["error"] is not None and abs(r[k]["error"]) <= args.goal for k, _ in COMPARED)
     print(f"{'c':>3}  {'tok/s/dev meas':>14} {'sim':>8} {'err':>6}   {'P90 tok/s/user meas':>19} {'sim':>6} {'err':>6}"
@@ -61,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"measured": args.measured, "simulated": args.simulated, "goal": args.goal,
-                       "simulated_command": simulated.get("command"), "rows": rows}, f, indent=1)
+                       "simulated_command": simulated.get("command"), "machine": machines,
+                       "calibration": calibration, "rows": rows}, f, indent=1)
         print(f"wrote {args.output}")
     return 0
 
