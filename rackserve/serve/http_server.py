@@ -7,8 +7,8 @@ a head's clock starts when the connection opens, or at the first byte of the nex
 kept-alive one; a head not complete in time gets `408 Request Timeout` (an OpenAI error body) and
 the connection is closed. The body is bounded where it is read (request_body.read_within: within
 as long again, 408 past it); a connection whose answer went out before its body was read whole
-(413, 408, 401) is closed, not kept reading what is left of the body. This file never routes and
-never reads a body.
+(413, 408, 401) gets as long again to send the rest (thrown away, so that a client still sending
+reads its answer instead of a reset), then closes. This file never routes and never reads a body.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class HeadTimeoutProtocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.head_timer: asyncio.TimerHandle | None = None
+        self.drain_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -72,6 +73,9 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.conn.their_state is not h11.SEND_BODY and self.drain_timer is not None:
+            self.drain_timer.cancel()   # the body no one read has come whole
+            self.drain_timer = None
         if self.conn.their_state is h11.IDLE:
             if self.head_timer is None:
                 self._arm()
@@ -80,12 +84,20 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.transport.close()   # what is sent now goes nowhere: no reading it for ever
+        if self.conn.their_state is h11.SEND_BODY and self.drain_timer is None:
+            self.drain_timer = self.loop.call_later(self.header_timeout, self._body_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
         super().connection_lost(exc)
+
+    def _body_late(self) -> None:
+        """The rest of a body no one reads did not come in time: no reading it for ever."""
+        self.drain_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
 
     def _arm(self) -> None:
         self.head_timer = self.loop.call_later(self.header_timeout, self._head_late)
