@@ -220,7 +220,8 @@ def _cutoffs(logits: torch.Tensor, rows: torch.Tensor, desc: torch.Tensor, k: to
     has_k = k < vocab
     past = has_k & (k > width)              # its k-th largest is not among them
     kth = desc.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
-    desc = desc.masked_fill((desc < kth) & has_k.unsqueeze(1), float("-inf"))
+    if bool(has_k.any()):                   # `desc` is _largest's own
+        desc.masked_fill_((desc < kth) & has_k.unsqueeze(1), float("-inf"))
     # top_p's probabilities, renormalised over what top_k kept, or over the whole row without it.
     log_total = desc.logsumexp(dim=-1)
     if width < vocab:
@@ -236,11 +237,12 @@ def _cutoffs(logits: torch.Tensor, rows: torch.Tensor, desc: torch.Tensor, k: to
             extra = ((logits[rows[edge]] == value.to(logits.dtype)).sum(dim=-1)
                      - (desc[edge] == value).sum(dim=-1))
             log_total[edge] = torch.logaddexp(log_total[edge], value[:, 0] + extra.double().log())
-    probs = (desc - log_total.unsqueeze(1)).exp()
-    mass_above = probs.cumsum(dim=-1) - probs
-    # At least the most likely token stays: a top_p too small to cover even it keeps that one
-    # token, as vLLM does.
-    kept = ((mass_above < p.unsqueeze(1)) & (desc > float("-inf"))).sum(dim=-1).clamp(min=1)
+    cum = desc.sub(log_total.unsqueeze(1)).exp_().cumsum_(dim=-1)
+    # Token j's mass above it is cum[j - 1]: kept are the first 1 + #(cum[:-1] < p), finite ones
+    # at most. At least the most likely token stays: a top_p too small to cover even it keeps that
+    # one token, as vLLM does.
+    below = torch.searchsorted(cum, p.unsqueeze(1)).squeeze(1).clamp(max=width - 1)
+    kept = torch.minimum(below + 1, (desc > float("-inf")).sum(dim=-1)).clamp(min=1)
     decided = ~past & (has_k | (kept < width) | (width == vocab))
     return desc.gather(1, (kept - 1).unsqueeze(1))[:, 0], decided
 
