@@ -91,7 +91,9 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(), "loadavg_before": os.getloadavg(), "runs": []}
     # Logits scale 3: top_p 0.9 keeps a few hundred to a few thousand tokens a row (past the old
     # 256 window); scale 6: a few dozen, within it.
+    # Scale 0.5: flat, as a tiny random model's (bench/penalties_served.py): every row sorts whole.
     cases = [(49152, 3.0, SamplingParams(top_p=0.9)), (49152, 6.0, SamplingParams(top_p=0.9)),
+             (49152, 0.5, SamplingParams(top_p=0.9)),
              (49152, 3.0, SamplingParams(top_k=50)), (49152, 3.0, SamplingParams(top_k=50, top_p=0.9)),
              (129280, 3.0, SamplingParams(top_p=0.9)), (129280, 6.0, SamplingParams(top_p=0.9))]
     for vocab, scale, params in cases:

@@ -197,7 +197,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
             found, decided, mass, last = _cutoffs(logits, todo, _largest(logits, todo, width), k[todo], p[todo])
             cutoff[todo[decided]] = found[decided].to(logits.dtype)
             if wider < vocab:               # its tokens are no likelier than the last here
-                hopeless = (k[todo] > wider) | ((k[todo] == vocab) & (mass + (wider - width) * last < p[todo]))
+                kk = k[todo]
+                hopeless = torch.where(kk < vocab, kk > wider, mass + (wider - width) * last < p[todo])
                 whole = torch.cat([whole, todo[~decided & hopeless]])
                 decided |= hopeless
             todo = todo[~decided]
