@@ -192,7 +192,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     widths = sorted({min(vocab, w) for w in (*_WINDOWS, vocab)})
     for width, wider in zip(widths, widths[1:] + [vocab]):
         if width == vocab:
-            todo = torch.cat([todo, whole])
+            todo = torch.cat([todo, whole]).sort().values   # ascending: all rows are 0..rows-1
         if len(todo):
             found, decided, mass, last = _cutoffs(logits, todo, _largest(logits, todo, width), k[todo], p[todo])
             cutoff[todo[decided]] = found[decided].to(logits.dtype)
@@ -208,7 +208,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
 
 def _largest(logits: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """[len(rows), width] float64: those rows' `width` largest logits, descending."""
+    """[len(rows), width] float64: those rows' `width` largest logits, descending. `rows` ascend."""
     vocab = logits.shape[1]
     if logits.device.type == "cpu" and _NUMPY_ON_CPU:
         x = logits.detach().numpy()
