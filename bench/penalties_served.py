@@ -4,7 +4,8 @@ from each source tree in turn; one greedy stream reads, and one completion with 
 prompt and repetition_penalty (greedy too, so that penalties are the sampler's work) is posted
 beside it, then the same without the penalty (what the long contexts cost the step anyway). The
 reading stream's longest and median gaps while each post was in flight are recorded for each tree,
-the trees alternating `--rounds` times (a fresh server each time).
+the trees alternating `--rounds` times (a fresh server each time). `--sampling top_p`: the n samples
+draw at temperature 1 with top_p 0.9 instead (the sampler's top_k/top_p, bench/sampler_step.py).
 
   python bench/penalties_served.py --trees /path/to/main,/path/to/branch \
       --output bench/results/penalties-served-h7.json
@@ -58,20 +59,22 @@ def one_round(tree: str, model: str, root: Path, args: argparse.Namespace) -> di
         rng = random.Random(0)
         prompt = [rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
         posts = []
-        for penalty in (1.1, 1.0):
-            body = {"prompt": prompt, "n": args.n, "max_tokens": args.max_tokens, "temperature": 0,
-                    "ignore_eos": True, "repetition_penalty": penalty}
+        settings = ({"repetition_penalty_1.1": {"temperature": 0, "repetition_penalty": 1.1},
+                     "repetition_penalty_1.0": {"temperature": 0, "repetition_penalty": 1.0}}
+                    if args.sampling == "greedy" else {"top_p_0.9": {"temperature": 1.0, "top_p": 0.9}})
+        for name, sampling in settings.items():
+            body = {"prompt": prompt, "n": args.n, "max_tokens": args.max_tokens, "ignore_eos": True, **sampling}
             t0 = time.perf_counter()
             resp = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-            posts.append((penalty, resp.status_code, t0, time.perf_counter()))
+            posts.append((name, resp.status_code, t0, time.perf_counter()))
             time.sleep(1)
         stop.set()
         gaps = [(b - a, b) for a, b in zip(chunks, chunks[1:])]
         run = {"tree": tree, "reader_gap_p50_ms_before": round(statistics.median(
             g for g, end in gaps if end < posts[0][2]) * 1e3, 2)}
-        for penalty, status, t0, t1 in posts:
+        for name, status, t0, t1 in posts:
             inside = [g for g, end in gaps if t0 <= end <= t1]
-            run[f"repetition_penalty_{penalty}"] = {
+            run[name] = {
                 "status": status, "post_s": round(t1 - t0, 2),
                 "reader_chunks": len(inside), "reader_gap_p50_ms": round(statistics.median(inside) * 1e3, 2),
                 "reader_gap_p90_ms": round(sorted(inside)[int(0.9 * len(inside))] * 1e3, 1),
@@ -90,6 +93,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy",
+                        help="top_p: the n samples at temperature 1, top_p 0.9, no penalty (the sampler's filters)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     output = Path(args.output).resolve()
@@ -97,7 +102,7 @@ def main() -> None:
     model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=8400)
     result = {"command": " ".join(sys.argv), "cpu": f"{_cpu_model()} ({_cpu_family_model()})",
               "loadavg_before": os.getloadavg(), "n": args.n, "prompt_tokens": args.prompt_tokens,
-              "max_tokens": args.max_tokens, "runs": []}
+              "max_tokens": args.max_tokens, "sampling": args.sampling, "runs": []}
     for _ in range(args.rounds):
         for tree in args.trees.split(","):
             run = one_round(tree, model, root, args)
