@@ -224,3 +224,36 @@ def test_a_hold_pinned_by_two_readers_is_freed_only_when_both_are_done(tiny_llam
         finally:
             for reader in readers:
                 reader.close()
+
+
+def test_a_decoder_starts_remote_kv_loads_while_prompts_wait(tiny_llama_dir):
+    """With --max-waiting-tokens, prompt work waits while requests decode; a P/D request does not:
+    its load computes nothing and, once landed, it computes one token as a decode does. So it
+    decodes beside the running stream while a local prompt still waits, with one instance's tokens."""
+    pd_prompt = PROMPTS[2]
+    with _llm(tiny_llama_dir, None) as single, _llm(tiny_llama_dir, "kv_producer") as prefiller, \
+            _llm(tiny_llama_dir, "kv_consumer", max_waiting_tokens=1000) as decoder:
+        [want] = single.generate({"prompt_token_ids": pd_prompt}, SamplingParams(temperature=0.0, max_tokens=4))
+        [pre] = prefiller.generate({"prompt_token_ids": pd_prompt}, SamplingParams(
+            temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        engine = decoder.engine
+        engine.add_request("stream", {"prompt_token_ids": [7, 8, 9]},
+                           SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+        engine.step()   # its prompt goes: from now on it decodes, and prompts wait
+        engine.add_request("local", {"prompt_token_ids": list(range(20, 32))},
+                           SamplingParams(temperature=0.0, max_tokens=2))
+        engine.add_request("pd", {"prompt_token_ids": pd_prompt}, SamplingParams(
+            temperature=0.0, max_tokens=4, kv_transfer_params=pre.kv_transfer_params))
+        got: dict[str, list[int]] = {}
+        for _ in range(40):
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            if len(got.get("pd", [])) == 4:
+                break
+        assert got.get("pd") == want.outputs[0].token_ids, "the P/D request waited for the prompts"
+        assert "local" not in got, "the local prompt went although the stream still decodes"
+        while engine.has_unfinished_requests():
+            engine.step()
+        _drain(prefiller)
+        _drain(decoder)
+        decoder.engine.core.check_integrity()

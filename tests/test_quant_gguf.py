@@ -92,6 +92,28 @@ def test_a_native_kernel_splits_a_wide_weight_over_threads_and_tile_groups(kerne
 
 
 @pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_avx2_few_rows_path_on_a_wide_weight_over_two_threads(qtype):
+    # A decode batch's rows (fewer than 5: avx2's one-part int16 activations, row by row) on an
+    # lm_head-like weight: 104 tiles of 48 blocks, split over 2 threads (6 tiles a thread at least).
+    blocks, w = random_blocks(qtype, rows=832, cols=1536, seed=3)
+    linear = QUANT_KERNELS.get("avx2")(from_gguf(qtype, blocks))
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(1))
+    x[:, 11] *= 20
+    ref = (x.double() @ w.double().T).float()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = linear(x)
+        one = linear(x[2:])
+    finally:
+        torch.set_num_threads(threads)
+    err = (y - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert float(err.max()) < TOLERANCE["avx2"]
+    assert torch.equal(one, y[2:])      # a row's outputs do not depend on the rows beside it
+
+
+@pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 # 88, 80, 72 and 48 output rows: 11, 10, 9 and 6 tiles of 8, i.e. the avx2 many-rows call's 4 tiles
 # at once and its tails of 3, 2 and 1; 21 rows: a chunk of 16 rows and one of 5.

@@ -154,10 +154,19 @@ class Scheduler:
             i += 1
 
         # Admitting while preempting would only thrash: whoever was preempted waits first.
-        while (self.waiting and budget > 0 and prefill_left > 0 and not preempted
+        # A decoder's request (P/D) never waits for the prompt allowance: starting its KV load
+        # computes nothing, and once its KV landed it computes one token, as a decode does. It
+        # passes the prompts that wait (`held`, back at the front of the queue after the loop).
+        held: list[Request] = []
+        while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             landed = self.remote is not None and request.request_id in self.remote.landed
+            if prefill_left <= 0 and not (landed or self._pulls_its_prompt(request)):
+                if self.remote is None:
+                    break
+                held.append(self.waiting.popleft())
+                continue
             try:
                 hit = NO_HIT if landed else self.kv.get_computed_blocks(request)
                 num_external = 0 if landed or not self.connector else \
@@ -172,8 +181,10 @@ class Scheduler:
                 self._count_lookup(request, hit.num_tokens, external_queries=request.num_tokens - hit.num_tokens)
                 continue
             start = request.num_computed_tokens if landed else hit.num_tokens
-            n = self._prefill_chunk(request.num_tokens - start, min(budget, prefill_left))
-            if self.kv.allocate_slots(request, n, hit) is None:
+            remaining = request.num_tokens - start
+            n = 1 if remaining == 1 and prefill_left <= 0 else \
+                self._prefill_chunk(remaining, min(budget, prefill_left))
+            if n == 0 or self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -188,7 +199,8 @@ class Scheduler:
             new_reqs.append(self._new_request_data(request))
             num_scheduled[request.request_id] = n
             budget -= n
-            prefill_left -= n
+            prefill_left -= n if remaining > 1 else 0
+        self.waiting.extendleft(reversed(held))
 
         # The KV of scheduled tokens is computed by the time anyone looks again.
         for req_id, n in num_scheduled.items():
@@ -251,6 +263,11 @@ class Scheduler:
             return self.max_num_batched_tokens
         self._prompts_waited += 1
         return 0
+
+    def _pulls_its_prompt(self, request: Request) -> bool:
+        """A decoder's request whose prompt KV a prefiller computed (kv_transfer_params)"""
+        params = request.kv_transfer_params
+        return self.connector is not None and bool(params) and bool(params.get("do_remote_prefill"))
 
     def _prefill_chunk(self, remaining: int, budget: int) -> int:
         """Prompt tokens one request computes this step: at most --long-prefill-token-threshold

@@ -83,14 +83,11 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
         vocab = logits.shape[1]
-        # A top_k of the whole vocabulary or more filters nothing (vLLM clamps it alike).
-        filtered = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-        if len(filtered) == len(params):
-            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        elif filtered:
-            index = torch.tensor(filtered, device=device)
-            logits[index] = apply_top_k_top_p(logits[index], [params[i].top_k for i in filtered],
-                                              [params[i].top_p for i in filtered])
+        # A top_k of the whole vocabulary or more filters nothing (vLLM clamps it alike); rows
+        # without filters pass through. `logits` is this method's own (divided above): masked in place.
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params],
+                                       inplace=True)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
         if any(row.generator is None for row in rows):
@@ -168,49 +165,82 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-# Most rows' top_p set lies within their few hundred most likely tokens; a partial top-k over
-# this many is an order of magnitude cheaper than sorting the vocabulary (a fallback).
-_TOP_P_CANDIDATES = 256
+# Each row's kept set is looked for among its this many largest logits (sorted); only the rows
+# whose set may reach past them (a flat distribution under top_p, a top_k past the window) sort
+# their whole row, not the batch.
+_WINDOW = 1024
+# On CPU, numpy's partition then a sort of the window only (one thread a row set) beat torch.topk
+# by 3-5x at 128 rows (bench/sampler_step.py); other devices use torch.topk.
+_NUMPY_ON_CPU = True
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                      inplace: bool = False) -> torch.Tensor:
     """Keep each row's top_k logits (ties with the k-th kept), then the fewest of those, most
-    likely first, whose probability reaches top_p (renormalised after top_k, as vLLM does).
-    Every row must filter: top_k in [1, vocab) or top_p < 1."""
+    likely first, whose probability reaches top_p (renormalised after top_k, as vLLM does), and
+    ties with the last kept. A row with top_k 0/-1/>= vocab and top_p 1 keeps everything.
+    `inplace`: mask `logits` itself (a caller that owns it); otherwise a new tensor."""
+    rows, vocab = logits.shape
+    device = logits.device
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+    p = torch.tensor([p if p < 1 else float("inf") for p in top_p], dtype=torch.float64, device=device)
+    cutoff = torch.full((rows,), float("-inf"), dtype=logits.dtype, device=device)
+    todo = ((k < vocab) | (p < 1)).nonzero().flatten()
+    for width in (min(vocab, _WINDOW), vocab):
+        if len(todo):
+            found, decided = _cutoffs(logits, todo, _largest(logits, todo, width), k[todo], p[todo])
+            cutoff[todo[decided]] = found[decided].to(logits.dtype)
+            todo = todo[~decided]
+    assert not len(todo), "the whole vocabulary always holds the kept set"
+    out = logits if inplace else logits.clone()
+    return out.masked_fill_(out < cutoff.unsqueeze(1), float("-inf"))
+
+
+def _largest(logits: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[len(rows), width] float64: those rows' `width` largest logits, descending."""
     vocab = logits.shape[1]
-    k = [k if 0 < k < vocab else vocab for k in top_k]
-    assert all(kk < vocab or p < 1 for kk, p in zip(k, top_p)), "a row without filters"
-    k_t = torch.tensor(k, device=logits.device)
-    p_t = torch.tensor([p if p < 1 else float("inf") for p in top_p], device=logits.device)
-    width = min(vocab, max([kk for kk in k if kk < vocab] + [_TOP_P_CANDIDATES]))
-    cutoff = _cutoffs(logits, logits.topk(width, dim=-1).values, k_t, p_t)
-    if cutoff is None:
-        cutoff = _cutoffs(logits, logits.sort(dim=-1, descending=True).values, k_t, p_t)
-        assert cutoff is not None, "the whole vocabulary always holds the kept set"
-    return logits.masked_fill(logits < cutoff, float("-inf"))
+    if logits.device.type == "cpu" and _NUMPY_ON_CPU:
+        x = logits.detach().numpy()
+        x = x if len(rows) == len(x) else x[rows.numpy()]
+        top = np.partition(x, vocab - width, axis=1)[:, vocab - width:] if width < vocab else x.copy()
+        top.sort(axis=1)
+        return torch.from_numpy(np.ascontiguousarray(top[:, ::-1], dtype=np.float64))
+    x = logits[rows]
+    top = x.topk(width, dim=-1).values if width < vocab else x.sort(dim=-1, descending=True).values
+    return top.double()
 
 
-def _cutoffs(logits: torch.Tensor, desc: torch.Tensor, k: torch.Tensor,
-             p: torch.Tensor) -> torch.Tensor | None:
-    """[rows, 1]: the smallest logit each row keeps, found among its `width` largest logits
-    `desc` (sorted descending); None when some row would keep tokens past them."""
-    width = desc.shape[1]
-    no_top_k = k > width
+def _cutoffs(logits: torch.Tensor, rows: torch.Tensor, desc: torch.Tensor, k: torch.Tensor,
+             p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of `rows`' smallest kept logit, found among its `width` largest `desc` (float64,
+    descending), and whether it was decided there: not when the row may keep tokens past them."""
+    width, vocab = desc.shape[1], logits.shape[1]
+    has_k = k < vocab
+    past = has_k & (k > width)              # its k-th largest is not among them
     kth = desc.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
-    desc = desc.masked_fill((desc < kth) & ~no_top_k.unsqueeze(1), float("-inf"))
-    # Probabilities renormalised over what top_k kept: all among `desc`, unless there is no top_k.
-    log_total = desc.logsumexp(dim=-1, keepdim=True)
-    if bool(no_top_k.any()):
-        log_total[no_top_k] = logits[no_top_k].logsumexp(dim=-1, keepdim=True)
-    probs = (desc - log_total).exp()
+    desc = desc.masked_fill((desc < kth) & has_k.unsqueeze(1), float("-inf"))
+    # top_p's probabilities, renormalised over what top_k kept, or over the whole row without it.
+    log_total = desc.logsumexp(dim=-1)
+    if width < vocab:
+        no_k = ~has_k
+        if bool(no_k.any()):
+            x = logits if bool(no_k.all()) and len(rows) == logits.shape[0] else logits[rows[no_k]]
+            top = desc[no_k, :1]            # the max, exactly; float32 sums, float64 log
+            log_total[no_k] = top[:, 0] + (x - top.to(x.dtype)).exp_().sum(dim=-1).double().log()
+        # Ties with the k-th past the window: top_k keeps them, so they count in the total.
+        edge = has_k & ~past & (desc[:, -1] == kth[:, 0])
+        if bool(edge.any()):
+            value = kth[edge]
+            extra = ((logits[rows[edge]] == value.to(logits.dtype)).sum(dim=-1)
+                     - (desc[edge] == value).sum(dim=-1))
+            log_total[edge] = torch.logaddexp(log_total[edge], value[:, 0] + extra.double().log())
+    probs = (desc - log_total.unsqueeze(1)).exp()
     mass_above = probs.cumsum(dim=-1) - probs
-    keep = (mass_above < p.unsqueeze(1)) & (desc > float("-inf"))
-    # At least the most likely token stays: a top_p too small to cover even it (or one that
-    # float32 rounds to 0) keeps that one token, as vLLM does.
-    kept = keep.sum(dim=-1).clamp(min=1)
-    if bool(((kept == width) & no_top_k).any()):
-        return None
-    return desc.gather(1, (kept - 1).unsqueeze(1))
+    # At least the most likely token stays: a top_p too small to cover even it keeps that one
+    # token, as vLLM does.
+    kept = ((mass_above < p.unsqueeze(1)) & (desc > float("-inf"))).sum(dim=-1).clamp(min=1)
+    decided = ~past & (has_k | (kept < width) | (width == vocab))
+    return desc.gather(1, (kept - 1).unsqueeze(1))[:, 0], decided
 
 
 def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -7,6 +7,7 @@ This file never routes and never talks to an instance about a request (server.py
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -15,7 +16,7 @@ from fastapi.responses import Response
 
 from rackserve.router.router import Instance, Router
 from rackserve.router.server import RouterFront, error_response
-from rackserve.serve.request_body import read_body
+from rackserve.serve.request_body import read_body, read_within
 from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, OpenAIError, unless_client_leaves
 
 
@@ -27,8 +28,8 @@ def build_router_app(front: RouterFront) -> FastAPI:
         """The forwarded answer, unless the client leaves first: then the forward is cancelled,
         which closes the connection to the instance, which aborts the request there."""
         try:
-            body = await read_body(raw, front.max_request_body_bytes)
-        except OpenAIError as e:   # 413: past --max-request-body-bytes
+            body = await read_body(raw, front.max_request_body_bytes, front.header_timeout)
+        except OpenAIError as e:   # 413: past --max-request-body-bytes; 408: past --header-timeout
             return error_response(e)
         response = await unless_client_leaves(raw, front.forward(path, body))
         if response is None:
@@ -48,9 +49,12 @@ def build_router_app(front: RouterFront) -> FastAPI:
     async def models() -> Response:
         for instance in router.healthy:
             try:
-                async with router.session.get(f"{instance.url}/v1/models") as resp:
-                    return Response(await resp.read(), status_code=resp.status, media_type=resp.content_type)
-            except aiohttp.ClientError:
+                async with router.session.get(f"{instance.url}/v1/models", timeout=front.timeout) as resp:
+                    data = await read_within(resp.content.iter_chunked(1 << 16), front.max_answer_bytes,
+                                             None, resp.content_length)
+                    if data is not None:
+                        return Response(data, status_code=resp.status, media_type=resp.content_type)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
         return error_response(OpenAIError("no instance is available", 503, type="server_error"))
 

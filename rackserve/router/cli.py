@@ -12,6 +12,7 @@ import sys
 
 from rackserve.router import MAX_ANSWER_BYTES
 from rackserve.serve.cli import register_subcommand
+from rackserve.serve.http_server import add_header_timeout_arg
 from rackserve.serve.limits import ServerLimits
 
 POLICIES = ("kv", "kv_prefill", "prefix", "least_load", "round_robin")   # router/policies.py's registry
@@ -46,6 +47,7 @@ def add_health_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_body_args(parser: argparse.ArgumentParser, answers: bool = False) -> None:
+    add_header_timeout_arg(parser)
     parser.add_argument("--max-request-body-bytes", type=int, default=ServerLimits().max_request_body_bytes,
                         help="largest request body, bytes; larger ones get 413 before they are read whole "
                              "(the instances' bound, `rackserve serve --max-request-body-bytes`)")
@@ -90,6 +92,7 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     """Runs the router on args.host:args.port until the server is told to stop."""
     import uvicorn
 
+    from rackserve.serve.http_server import server_config
     from rackserve.router.policies import create_policy
     from rackserve.router.router import Router
     from rackserve.router.app import build_router_app
@@ -98,11 +101,12 @@ async def serve_router(args: argparse.Namespace, workers: list[str], policy: str
     router = Router(workers, create_policy(policy, **policy_options(args, policy)), args.health_interval,
                     args.health_timeout, args.worker_api_key, prefill, decode, args.pd_threshold_tokens)
     front = RouterFront(router, args.tokenizer, max_request_body_bytes=args.max_request_body_bytes,
-                        max_answer_bytes=args.max_answer_bytes)
+                        max_answer_bytes=args.max_answer_bytes, header_timeout=args.header_timeout)
     try:
+        config = server_config(build_router_app(front), args.host, args.port, args.uvicorn_log_level,
+                               args.header_timeout)
         await front.start()
-        server = uvicorn.Server(uvicorn.Config(build_router_app(front), host=args.host, port=args.port,
-                                               log_level=args.uvicorn_log_level))
+        server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)

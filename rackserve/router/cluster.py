@@ -103,6 +103,8 @@ def start_instance(args: argparse.Namespace, i: int, role: str, url: str, thread
     kv = kv_transfer_config(args, role, pool_address)
     cmd = [sys.executable, "-m", "rackserve.serve.cli", "serve", *engine_flags(args), "--port", url.rsplit(":", 1)[1],
            "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
+    if getattr(args, "header_timeout", None) is not None:   # `bench router`'s flags have none
+        cmd += ["--header-timeout", str(args.header_timeout)]
     if kv is not None:
         cmd += ["--kv-transfer-config", kv if isinstance(kv, str) else json.dumps(kv)]
     # SIGTERMed if this command dies, even by SIGKILL: an instance never outlives its cluster.

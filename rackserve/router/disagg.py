@@ -17,6 +17,7 @@ does) and never changes the index.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING
 
 from fastapi.responses import Response
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from rackserve.router.server import RouterFront
 
 LOCAL, REMOTE = "local", "remote_prefill"      # the decider's two answers (a metric label)
+logger = logging.getLogger(__name__)
 
 
 def uncached_tokens(num_prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
@@ -51,8 +53,22 @@ async def forward_disaggregated(front: RouterFront, path: str, body: dict, token
         return await front.attempt(path, body, token_ids, salt, (BOTH, DECODE), router.decode_policy)
     if prefill.status_code != 200:   # a bad request is the prefiller's to refuse, in OpenAI's words
         return prefill
+    answer = _json_object(prefill.body)
+    if answer is None:   # not a prefiller's answer (not JSON, or not an object): the decoder runs it whole
+        logger.warning("router: a prefill answer is not a JSON object (%r...); the request runs whole",
+                       prefill.body[:80])
+        router.metrics.pd_decisions.labels(LOCAL).inc()
+        return await front.attempt(path, body, token_ids, salt, (BOTH, DECODE), router.decode_policy)
     router.metrics.pd_decisions.labels(REMOTE).inc()
-    params = json.loads(prefill.body).get("kv_transfer_params")
+    params = answer.get("kv_transfer_params")
     # Only decode workers can pull; any of them can (the prefiller holds the blocks for a lease).
     return await front.attempt(path, {**body, "kv_transfer_params": params}, token_ids, salt, (DECODE,),
                                router.decode_policy, decode)
+
+
+def _json_object(data: bytes) -> dict | None:
+    try:
+        answer = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return answer if isinstance(answer, dict) else None

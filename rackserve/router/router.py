@@ -11,6 +11,7 @@ and asks the policy. This file never speaks OpenAI (the front in server.py does)
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,8 +28,10 @@ from rackserve.router.index import KVIndex, WorkerKey
 from rackserve.router.load import ActiveLoads
 from rackserve.router.metrics import RouterMetrics
 from rackserve.router.policies import DecodeLoadPolicy, RoutingPolicy
+from rackserve.serve.request_body import read_within
 
 logger = logging.getLogger(__name__)
+MAX_INFO_BYTES = 4 << 20   # a GET /kv_events answer; 4096 DP ranks' endpoints take well under 1 MiB
 
 
 class Route(NamedTuple):
@@ -80,7 +83,11 @@ class Router:
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(headers=self.headers)
+        # No cap on connections (aiohttp's default is 100): each stream holds one for its whole
+        # length, and past the cap streams and health checks queued inside the router (an instance
+        # then failed its checks and left the pool). The instances bound what they take
+        # (--max-waiting-requests: a 429, retried elsewhere).
+        self.session = aiohttp.ClientSession(headers=self.headers, connector=aiohttp.TCPConnector(limit=0))
         await asyncio.gather(*(self._join(i) for i in self.instances.values()))
         self._health_task = asyncio.ensure_future(self._health_loop())
 
@@ -170,12 +177,16 @@ class Router:
                 if resp.status != 200:
                     return
             async with self.session.get(f"{instance.url}/kv_events", timeout=timeout) as resp:
-                if resp.status == 200:
-                    info = await resp.json()
+                data = await read_within(resp.content.iter_chunked(1 << 16), MAX_INFO_BYTES, None,
+                                         resp.content_length)
+                if data is None:
+                    refusal = f"GET /kv_events answered more than {MAX_INFO_BYTES} bytes"
+                elif resp.status == 200:
+                    info = json.loads(data)
                     refusal = info_refusal(info, self.block_size)
                 else:   # e.g. 401: it was started with an --api-key the router was not given
-                    refusal = f"HTTP {resp.status} to GET /kv_events: {(await resp.text())[:200]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    refusal = f"HTTP {resp.status} to GET /kv_events: {data[:200].decode(errors='replace')}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError):
             return
         if refusal is not None:
             if refusal != instance.refusal:   # said once, not at every health check

@@ -31,7 +31,9 @@ from rackserve.router.load import uncached_prefill_blocks
 from rackserve.router.policies import RoutingPolicy
 from rackserve.router.prompts import render
 from rackserve.router.router import Instance, Route, Router
+from rackserve.serve.http_server import HEADER_TIMEOUT_S
 from rackserve.serve.limits import ServerLimits
+from rackserve.serve.request_body import read_within
 from rackserve.serve.serving_engine import SSE_DONE, OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -41,12 +43,14 @@ class RouterFront:
     def __init__(self, router: Router, tokenizer_path: str | None = None,
                  request_timeout_s: float = 600.0,
                  max_request_body_bytes: int = ServerLimits().max_request_body_bytes,
-                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
+                 max_answer_bytes: int = MAX_ANSWER_BYTES, header_timeout: float = HEADER_TIMEOUT_S) -> None:
         self.router = router
         self.max_answer_bytes = max_answer_bytes
-        self.max_request_body_bytes = max_request_body_bytes   # read by app.py, before forward()
+        # Read by app.py, before forward(): a body past the first gets 413, one later than the second 408.
+        self.max_request_body_bytes, self.header_timeout = max_request_body_bytes, header_timeout
         self.tokenizer_path = tokenizer_path
         self.tokenizer: Tokenizer | None = None
+        self.request_timeout_s = request_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=request_timeout_s)
 
     async def start(self) -> None:
@@ -128,7 +132,8 @@ class RouterFront:
         resp = await session.post(f"{url}{path}", json=body, timeout=self.timeout)
         try:
             if resp.status != 200 or not body.get("stream"):
-                data = await _read_whole(resp, self.max_answer_bytes)
+                data = await read_within(resp.content.iter_chunked(1 << 20), self.max_answer_bytes,
+                                         self.request_timeout_s, resp.content_length)
                 self.router.loads.finish(request_id)
                 if data is None:
                     resp.close()
@@ -155,7 +160,8 @@ class RouterFront:
                     ended = True
                     break
                 if b'"usage"' in event:
-                    output_tokens = self._count_usage(url, event.split(b"data:", 1)[-1]).get("completion_tokens")
+                    tokens = self._count_usage(url, event.split(b"data:", 1)[-1]).get("completion_tokens")
+                    output_tokens = tokens if _count(tokens) else None
                 yield event
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
             body = OpenAIError(f"the instance failed mid-stream: {e!r}", 502, type="server_error").body()
@@ -171,14 +177,25 @@ class RouterFront:
             self.router.loads.finish(request_id, output_tokens if ended else None)
 
     def _count_usage(self, url: str, data: bytes) -> dict:
-        """The answer's usage (empty if it has none), its cached tokens counted."""
+        """The answer's usage (empty if it has none, or not an object), its cached tokens counted
+        (when a count). An instance's answer passes through as it is, whatever its usage says."""
         try:
-            usage = json.loads(data).get("usage") or {}
-        except (ValueError, AttributeError):
+            answer = json.loads(data)
+        except (ValueError, RecursionError):
             return {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        self.router.metrics.actual_cached.labels(url).inc(cached)
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if not isinstance(usage, dict):
+            return {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if _count(cached):
+            self.router.metrics.actual_cached.labels(url).inc(cached)
         return usage
+
+
+def _count(value: Any) -> bool:
+    """Whether `value` is a token count (an int, not a bool, not negative)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 async def _unless_gone(instance: Instance, work: Awaitable[Any]) -> Any:
@@ -194,19 +211,6 @@ async def _unless_gone(instance: Instance, work: Awaitable[Any]) -> Any:
     if task.cancelled():
         raise ConnectionError(f"{instance.url} left the pool")
     return task.result()
-
-
-async def _read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes | None:
-    """The answer's body, or None once it passes `limit` bytes (read no further)."""
-    if resp.content_length is not None and resp.content_length > limit:
-        return None
-    chunks, size = [], 0
-    async for chunk in resp.content.iter_chunked(1 << 20):
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def _read_event(resp: aiohttp.ClientResponse) -> bytes:

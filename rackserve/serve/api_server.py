@@ -23,6 +23,7 @@ from rackserve.engine.async_engine import AsyncEngine
 from rackserve.engine.kv_event_publisher import KVEventPublisher
 from rackserve.engine.llm_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from rackserve.serve.admission import Admission, AdmissionMiddleware
+from rackserve.serve.http_server import HEADER_TIMEOUT_S
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -39,11 +40,15 @@ RETRY_AFTER_SECONDS = 1                 # what a 429 asks a client to wait
 
 def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
               limits: ServerLimits | None = None, api_key: str | None = None,
-              kv_publisher: KVEventPublisher | None = None) -> FastAPI:
+              kv_publisher: KVEventPublisher | None = None, header_timeout: float = HEADER_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine`; `stat_logger` (and `kv_publisher`, when KV events are on)
     must be among the engine's stat loggers. Its door (`app.state.admission`, see admission.py)
-    checks `api_key` when one is given."""
+    checks `api_key` when one is given. A body must arrive within `header_timeout` s (408)."""
     limits = limits or ServerLimits()
+
+    async def body(raw: Request) -> bytes:
+        return await read_body(raw, limits.max_request_body_bytes, header_timeout)
+
     model_name = engine.config.model.served_model_name
     max_messages = {"max_messages": engine.config.model.max_model_len}   # parse_request's context
     completions = OpenAIServingCompletion(engine, model_name, limits)
@@ -112,23 +117,22 @@ def build_app(engine: AsyncEngine, stat_logger: PrometheusStatLogger,
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request) -> Response:
-        request = parse_request(CompletionRequest, await read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(CompletionRequest, await body(raw))
         return await _respond(raw, completions.create_completion(request, raw.state.request_id))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request) -> Response:
-        request = parse_request(ChatCompletionRequest, await read_body(raw, limits.max_request_body_bytes),
-                                max_messages)
+        request = parse_request(ChatCompletionRequest, await body(raw), max_messages)
         return await _respond(raw, chat.create_chat_completion(request, raw.state.request_id))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        request = parse_request(TokenizeRequest, await read_body(raw, limits.max_request_body_bytes), max_messages)
+        request = parse_request(TokenizeRequest, await body(raw), max_messages)
         return _json(await tokenization.tokenize(request))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        request = parse_request(DetokenizeRequest, await read_body(raw, limits.max_request_body_bytes))
+        request = parse_request(DetokenizeRequest, await body(raw))
         return _json(await tokenization.detokenize(request))
 
     app.openapi = lambda: _openapi(app)

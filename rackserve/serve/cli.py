@@ -100,9 +100,12 @@ def _user_errors(command: str) -> Iterator[None]:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from rackserve.serve.http_server import add_header_timeout_arg
     from rackserve.serve.limits import ServerLimits
     EngineArgs.add_cli_args(parser)
-    ServerLimits.add_cli_args(parser.add_argument_group("request limits"))
+    limits = parser.add_argument_group("request limits")
+    ServerLimits.add_cli_args(limits)
+    add_header_timeout_arg(limits)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--uvicorn-log-level", default="info",

@@ -22,6 +22,7 @@ from rackserve.engine.kv_event_publisher import KVEventPublisher
 from rackserve.engine.llm_engine import EngineDeadError
 from rackserve.serve.admission import Admission
 from rackserve.serve.api_server import build_app
+from rackserve.serve.http_server import server_config
 from rackserve.serve.limits import ServerLimits
 from rackserve.serve.metrics import PrometheusStatLogger
 from rackserve.serve.signals import stop_signals_to
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def run_server(args: argparse.Namespace) -> None:
     """Loads the model and serves until SIGINT/SIGTERM, then drains (see _Server) and exits 0.
-    `args` holds the engine flags plus host, port, uvicorn_log_level, api_key and
+    `args` holds the engine flags plus host, port, uvicorn_log_level, api_key, header_timeout and
     shutdown_timeout (see `rackserve serve`).
     If the engine dies (a step raised, a worker died) the server stops too and this raises
     SystemExit(1), so that whatever supervises it sees the failure."""
@@ -51,9 +52,9 @@ def run_server(args: argparse.Namespace) -> None:
         raise
     died = None
     try:
-        app = build_app(engine, stat_logger, limits, args.api_key, kv_publisher)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=3)
+        app = build_app(engine, stat_logger, limits, args.api_key, kv_publisher, args.header_timeout)
+        config = server_config(app, args.host, args.port, args.uvicorn_log_level, args.header_timeout,
+                               timeout_graceful_shutdown=3)
         # Once shut down, uvicorn re-raises the signal it caught to the handler it replaced; make
         # that one a no-op so we go on to stop the engine and exit 0 instead of dying mid-way.
         with stop_signals_to(lambda *_: None):

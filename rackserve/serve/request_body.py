@@ -1,15 +1,18 @@
-"""A request body read within --max-request-body-bytes, and parsed into a request model with the
-OpenAI error an invalid one gets.
+"""A request body read within --max-request-body-bytes and on time, and parsed into a request
+model with the OpenAI error an invalid one gets.
 
-This file owns the size bound (a 413 as soon as a body is known to be too large: from its
-Content-Length, or while it streams in, so an oversized body is never held whole) and the one-line
-messages naming each bad field. The fronts (router, proxy) read bodies here too. It must never
-check values a model's fields accept (SamplingParams and the handlers do) nor touch the engine.
+This file owns the one bounded read (`read_within`: a size cap, known as soon as a body is too
+large, from its Content-Length or while it streams in, so it is never held whole; and a time
+limit) that every body and answer read from a peer goes through: the server's and the fronts'
+request bodies (413 past the size, 408 when late), the fronts' reads of an instance's answers.
+And the one-line messages naming each bad field. It must never check values a model's fields
+accept (SamplingParams and the handlers do) nor touch the engine.
 """
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import Any, AsyncIterable
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -17,20 +20,37 @@ from starlette.requests import Request
 from rackserve.serve.serving_engine import OpenAIError
 
 
-async def read_body(raw: Request, limit: int) -> bytes:
-    """The request body; raises OpenAIError (413) once it is known to exceed `limit` bytes."""
-    too_large = OpenAIError(f"the request body exceeds {limit} bytes (--max-request-body-bytes)",
-                            status=413, code="request_too_large")
+async def read_within(chunks: AsyncIterable[bytes], max_bytes: int, seconds: float | None = None,
+                      declared: int | None = None) -> bytes | None:
+    """`chunks` joined, or None as soon as they are known to pass `max_bytes` (from `declared`, a
+    Content-Length, or while they arrive: read no further); raises TimeoutError when they take
+    longer than `seconds` (None: no limit). The caller closes what it read from."""
+    if declared is not None and declared > max_bytes:
+        return None
+    parts, size = [], 0
+    async with asyncio.timeout(seconds):
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > max_bytes:
+                return None
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_body(raw: Request, limit: int, seconds: float | None = None) -> bytes:
+    """The request body; raises OpenAIError 413 once it is known to exceed `limit` bytes, 408
+    when it takes longer than `seconds` (--header-timeout, counted from here)."""
     declared = raw.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in raw.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        body = await read_within(raw.stream(), limit, seconds,
+                                 int(declared) if declared is not None and declared.isdigit() else None)
+    except TimeoutError:
+        raise OpenAIError(f"the request body did not arrive within {seconds:g} s (--header-timeout)",
+                          status=408, code="request_timeout") from None
+    if body is None:
+        raise OpenAIError(f"the request body exceeds {limit} bytes (--max-request-body-bytes)",
+                          status=413, code="request_too_large")
+    return body
 
 
 def parse_request(model: type[BaseModel], body: bytes, context: dict | None = None) -> Any:

@@ -2,19 +2,19 @@
 // AVX2 + FMA + F16C: vnni_gemv.cpp's method and numerics for CPUs without AVX-512 (AMD Zen 2/3,
 // Intel before Ice Lake), built only into the "avx2" library (model/native.py).
 //
-// Each block of 32 of a row of x is written as dx * q + dr * r (two int8 parts, with their integer
-// sums and the block's float sum) exactly as there. AVX2 has no vpdpbusd; its sum of four u8 x s8
-// products into an int32 lane is vpmaddubsw (pairs into int16) then vpmaddwd by ones (pairs of
-// int16 into int32), llama.cpp's AVX2 path. Output rows are interleaved 8 at a time (the 8 int32
-// lanes of a ymm), so a block's 8 scales are one vector. Per tile and block the record holds
-//   codes: Q4_*: 128 bytes, byte (j, r, i) = code[r][4j + i] | code[r][16 + 4j + i] << 4
-//          Q8_0: 256 bytes, byte (j, r, i) = q[r][4j + i] as int8 (signed: vpmaddubsw's unsigned
-//          side takes |q| and the activation takes q's sign, so no int16 pair saturates:
-//          2 * 128 * 127 < 2^15; an offset code q + 128 would)
-//   d[8] fp16, then (Q4_1) m[8] fp16,
-// and a block's product is d * (dx * (sum(code q) - 8 sum(q)) + dr * (sum(code r) - 8 sum(r)))
-// for Q4_0, d * (dx sum(code q) + dr sum(code r)) (+ m * sum(x) for Q4_1) otherwise: GGUF's
-// numerics. From 5 rows on, Q4_* take tile_rows instead (4 tiles a call, codes unpacked once; below).
+// Output rows are interleaved 8 at a time (the 8 int32 lanes of a ymm), so a block's 8 scales are
+// one vector. Per tile and block the record holds
+//   codes: Q4_*: 128 bytes, byte (g, r, i) = code[r][4g + i] | code[r][16 + 4g + i] << 4
+//          Q8_0: 256 bytes, byte (g, r, i) = q[r][4g + i] as int8
+//   d[8] fp16, then (Q4_1) m[8] fp16.
+// A decode batch's few rows (tile_dot) take each block of 32 of x as dx * j with j int16 (one part):
+// on Zen 1, which splits a ymm op in two 128-bit halves, the one-row GEMV is bound by the integer
+// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on, Q4_* take
+// tile_rows instead: x as dx * q + dr * r (two int8 parts, with their integer sums and the block's
+// float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
+// call and the codes unpacked once for all the rows, llama.cpp's AVX2 method. A block's product is
+// d * dx * (sum(code j) - 8 sum(j)) for Q4_0, d * dx * sum(code j) (+ m * sum(x) for Q4_1) otherwise
+// (in tile_rows with q and r for j): GGUF's numerics.
 // quant/avx2_linear.py packs the records and calls rs_avx2_gemv through ctypes.
 // This file must never allocate or own weights.
 #include <immintrin.h>
@@ -64,24 +64,20 @@ inline float abs_max(const __m256 v[4]) {
   return hmax(m);
 }
 
-// x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows: into the calling thread's own
-// buffers (quantized_rows.h), kept from call to call. With kManyRows (tile_rows' rows):
+// x = dx * q + dr * r per block, as vnni_gemv.cpp's quantize_rows, for tile_rows (a prefill chunk's
+// rows): into the calling thread's own buffers (quantized_rows.h), kept from call to call.
 // - dr = dx / 2^kResidualBits, as vnni_gemv.cpp's: the two integer sums of a block then join exactly
 //   into one (2^kResidualBits sum(code q) + sum(code r)), converted and scaled once; the residual
 //   (|x - dx q| <= dx / 2) is clamped to +-127 dr (a tie would round to 128, which int8 cannot hold);
 // - q and r are stored as unsigned bytes q + 128, r + 128: tile_rows' vpmaddubsw side (qsum and
 //   rsum stay those of q and r).
-// Otherwise (tile_dot's few rows) dr = max|residual| / 127 and the bytes are q and r.
 constexpr int kResidualBits = 8;
 
-template <bool kManyRows>
 const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
   const int64_t n = rows * (k / kGroup);
   thread_local QuantizedRows out;
   out.fit(rows, k, kGroup);
   QuantizedRows& o = out;   // the calling thread's buffers, filled by the team below
-  // A prefill chunk's rows split over the threads (as vnni_gemv.cpp); a decode batch's few blocks
-  // stay on the calling thread, where waking the team would cost more.
 #pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
@@ -91,26 +87,57 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
     const float d = abs_max(v) / 127.f;
     to_int8(v, d, o.q.data() + b * kGroup, q);
     for (int i = 0; i < 4; ++i) res[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), v[i]);
-    float dr;
-    if constexpr (kManyRows) {
-      dr = d * (1.f / (1 << kResidualBits));
-      const __m256 hi = _mm256_set1_ps(127.f * dr), lo = _mm256_set1_ps(-127.f * dr);
-      for (int i = 0; i < 4; ++i) res[i] = _mm256_max_ps(_mm256_min_ps(res[i], hi), lo);
-    } else {
-      dr = abs_max(res) / 127.f;
-    }
+    const float dr = d * (1.f / (1 << kResidualBits));
+    const __m256 hi = _mm256_set1_ps(127.f * dr), lo = _mm256_set1_ps(-127.f * dr);
+    for (int i = 0; i < 4; ++i) res[i] = _mm256_max_ps(_mm256_min_ps(res[i], hi), lo);
     to_int8(res, dr, o.r.data() + b * kGroup, s);
-    if constexpr (kManyRows) {
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      for (int8_t* p : {o.q.data() + b * kGroup, o.r.data() + b * kGroup})
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip));
-    }
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int8_t* p : {o.q.data() + b * kGroup, o.r.data() + b * kGroup})
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip));
     o.dx[b] = d;
     o.dr[b] = dr;
     o.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     o.qsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     o.rsum[b] = hsum(_mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3])));
+  }
+  return out;
+}
+
+// tile_dot's rows (a decode batch's few): each block of 32 of x as dx * j, j int16 (|j| <= 32767, dx
+// = max |x| / 32767; one part, finer than the two int8 parts' 2^-15 of the block's max), with sum(j)
+// and the block's float sum. Within each group of 4 the values are stored in the order 0, 2, 1, 3:
+// tile_dot broadcasts pairs (x[4g], x[4g + 2]) and (x[4g + 1], x[4g + 3]), which meet a record's
+// int16 lanes' low and high bytes (below). Q8_0's prefill rows split over the threads as
+// quantize_rows'; a decode batch's few blocks stay on the calling thread.
+const QuantizedRows& quantize_rows16(const float* x, int64_t rows, int64_t k, int threads) {
+  const int64_t n = rows * (k / kGroup);
+  thread_local QuantizedRows out;
+  out.fit16(rows, k, kGroup);
+  QuantizedRows& o = out;
+  const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+#pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
+  for (int64_t b = 0; b < n; ++b) {
+    const float* xb = x + b * kGroup;
+    __m256 v[4];
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    const float d = abs_max(v) / 32767.f;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // packs work within 128-bit lanes: the qword permute puts each 16 back in order, the byte
+    // shuffle then orders each group of 4 as 0, 2, 1, 3.
+    for (int h = 0; h < 2; ++h) {
+      __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.x16.data() + b * kGroup + 16 * h),
+                          _mm256_shuffle_epi8(w, order));
+    }
+    o.dx[b] = d;
+    o.fsum[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    o.qsum[b] = hsum(sum);
+    o.rsum[b] = hsum(_mm256_blend_epi32(sum, _mm256_setzero_si256(), 0xAA));   // x[4g] and x[4g + 2]
   }
   return out;
 }
@@ -122,56 +149,64 @@ const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int 
 #endif
 constexpr int kPrefetch = RS_AVX2_PREFETCH;
 
-// One tile (8 output rows) times row `row` of x: 8 outputs.
+// One tile (8 output rows) times row `row` of x (quantize_rows16): 8 outputs. A record's 32 bytes of
+// a group g of 4 inputs, read as int16 lanes, hold per output row r (its lanes 2r, 2r + 1) the codes
+// of inputs 4g, 4g + 1 (lane 2r) and 4g + 2, 4g + 3 (lane 2r + 1) in the low and high bytes; so the
+// low bytes, widened in place, times the broadcast pair (x[4g], x[4g + 2]) by vpmaddwd give row r's
+// two products summed in its int32 lane r, and the high bytes likewise with (x[4g + 1], x[4g + 3]):
+// the rows' sums come out in lane order, no horizontal step, and each code meets x in one multiply
+// (the int8 path needed vpmaddubsw then vpmaddwd, twice: two parts of x). Q8_0: the low byte widened
+// by shifting left then arithmetic right, the high by an arithmetic shift; Q4_*: the four nibbles
+// of a lane (Q4_*'s byte holds inputs 4g + i and 16 + 4g + i) by shifts and masks.
+// Bounds: |q| <= 128 (Q8_0; codes <= 15 for Q4_*) times |j| <= 32767, 32 of them: < 2^27.
 template <int kKind>   // 0: Q4_0, 1: Q4_1, 2: Q8_0
 inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, int64_t row, int64_t k) {
   constexpr int kCodeBytes = kKind == 2 ? 256 : 128;
   constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 32 : 16);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int32_t* xq = reinterpret_cast<const int32_t*>(x.q.data() + row * k);
-  const int32_t* xr = reinterpret_cast<const int32_t*>(x.r.data() + row * k);
-  const float *dx = x.dx.data() + row * nb, *dr = x.dr.data() + row * nb, *fsum = x.fsum.data() + row * nb;
-  const int32_t *qsum = x.qsum.data() + row * nb, *rsum = x.rsum.data() + row * nb;
-  __m256 acc = _mm256_setzero_ps(), acc_r = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, rec += kRecBytes, xq += 8, xr += 8) {
+  const int16_t* xj = x.x16.data() + row * k;
+  const float *dx = x.dx.data() + row * nb, *fsum = x.fsum.data() + row * nb;
+  const int32_t *jsum = x.qsum.data() + row * nb, *lsum = x.rsum.data() + row * nb;
+  // The broadcast pair i of the block's reordered inputs (quantize_rows16).
+  auto pair = [&](int i) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xj + 2 * i)); };
+  __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, rec += kRecBytes, xj += kGroup) {
     for (int c = 0; c < kRecBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
-    __m256i s, t;   // sum(code * q), sum(code * r) per output row
+    __m256i s;   // sum(code * j) per output row
     if constexpr (kKind == 2) {
-      s = t = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j)), a = _mm256_abs_epi8(v);
-        const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(xq[j]), v), sr = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), v);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sq), ones));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(_mm256_maddubs_epi16(a, sr), ones));
+      // The low bytes as q + 128 (mask, flip the sign bit): no shift; the 128 sum(x[4g], x[4g + 2])
+      // they add is taken out once a block.
+      const __m256i low = _mm256_set1_epi16(0xFF), sign = _mm256_set1_epi16(0x80);
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
+        const __m256i lo = _mm256_xor_si256(_mm256_and_si256(v, low), sign), hi = _mm256_srai_epi16(v, 8);
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(lo, pair(2 * g)));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(hi, pair(2 * g + 1)));
       }
+      s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * lsum[b]));
     } else {
-      // 4-bit codes: the 8 int16 pair sums of a block stay under 8 * 2 * 15 * 127 < 2^15, so they
-      // are added as int16 and widened once.
-      __m256i s16 = _mm256_setzero_si256(), t16 = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * j));
-        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        s16 = _mm256_add_epi16(s16, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[j])),
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[j + 4]))));
-        t16 = _mm256_add_epi16(t16, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[j])),
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[j + 4]))));
+      // Three nibbles of a lane masked in place (16 and 256 times their codes: sums kept apart and
+      // shifted back exactly, 256 * 15 * 32767 * 8 < 2^31), the top one shifted down.
+      const __m256i n0 = _mm256_set1_epi16(0x000F), n1 = _mm256_set1_epi16(0x00F0), n2 = _mm256_set1_epi16(0x0F00);
+      __m256i s0 = _mm256_setzero_si256(), s4 = _mm256_setzero_si256(), s8 = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
+        s0 = _mm256_add_epi32(s0, _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, n0), pair(2 * g)),
+                                                   _mm256_madd_epi16(_mm256_srli_epi16(v, 12), pair(9 + 2 * g))));
+        s4 = _mm256_add_epi32(s4, _mm256_madd_epi16(_mm256_and_si256(v, n1), pair(8 + 2 * g)));
+        s8 = _mm256_add_epi32(s8, _mm256_madd_epi16(_mm256_and_si256(v, n2), pair(2 * g + 1)));
       }
-      s = _mm256_madd_epi16(s16, ones);
-      t = _mm256_madd_epi16(t16, ones);
-      if constexpr (kKind == 0) {
-        s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * qsum[b]));
-        t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * rsum[b]));
-      }
+      s = _mm256_add_epi32(s0, _mm256_srai_epi32(_mm256_add_epi32(s4, _mm256_srai_epi32(s8, 4)), 4));
+      if constexpr (kKind == 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * jsum[b]));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes)));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(dx[b])), acc);
-    acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(d, _mm256_set1_ps(dr[b])), acc_r);
     if constexpr (kKind == 1) {
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + kCodeBytes + 16)));
       acc_min = _mm256_fmadd_ps(m, _mm256_set1_ps(fsum[b]), acc_min);
     }
   }
-  return _mm256_add_ps(_mm256_add_ps(acc, acc_r), acc_min);
+  return _mm256_add_ps(acc, acc_min);
 }
 
 // The many-rows path (a prefill chunk; Q4_0 and Q4_1): tile_rows multiplies kTiles tiles (32
@@ -223,7 +258,7 @@ inline void unpack_block(const uint8_t* rec, int64_t tile_bytes, int n, Unpacked
 }
 
 // kN tiles (kN * 8 output rows, the tiles tile_bytes apart) times `rows` consecutive rows of x from
-// `row` (quantize_rows<true>), into y's rows y_stride apart. Where tile_dot broadcasts each of a
+// `row` (quantize_rows), into y's rows y_stride apart. Where tile_dot broadcasts each of a
 // row's 4-byte groups for one tile and unpacks the codes for every row, here the codes come unpacked
 // from L1 (unpack_block, once a block for all the rows) as vpmaddubsw's signed side, so each
 // broadcast group (the unsigned side: x + 128) meets kN tiles; the two parts' sums join into one
@@ -342,8 +377,8 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = kind != 2 && rows >= kManyRows ? quantize_rows<true>(x, rows, k, threads)
-                                                            : quantize_rows<false>(x, rows, k, threads);
+  const QuantizedRows& xq = kind != 2 && rows >= kManyRows ? quantize_rows(x, rows, k, threads)
+                                                            : quantize_rows16(x, rows, k, threads);
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);

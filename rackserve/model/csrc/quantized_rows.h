@@ -13,6 +13,7 @@ struct QuantizedRows {
   std::vector<int8_t> q, r;                 // [T, K]
   std::vector<float> dx, dr, fsum;          // [T, blocks]
   std::vector<int32_t> qsum, rsum;          // [T, blocks]
+  std::vector<int16_t> x16;                 // [T, K]: avx2_gemv.cpp's few rows, x in one int16 part
 
   // Grows (never shrinks) the buffers to hold `rows` rows of k inputs in blocks of `group`.
   void fit(int64_t rows, int64_t k, int64_t group) {
@@ -21,6 +22,16 @@ struct QuantizedRows {
       q.resize(rows * k);
       r.resize(rows * k);
     }
+    if (static_cast<int64_t>(dx.size()) < n) {
+      for (auto* v : {&dx, &dr, &fsum}) v->resize(n);
+      for (auto* v : {&qsum, &rsum}) v->resize(n);
+    }
+  }
+
+  // As fit, for x16 instead of q and r (with dx, fsum and qsum: its scales and sums).
+  void fit16(int64_t rows, int64_t k, int64_t group) {
+    const int64_t n = rows * (k / group);
+    if (static_cast<int64_t>(x16.size()) < rows * k) x16.resize(rows * k);
     if (static_cast<int64_t>(dx.size()) < n) {
       for (auto* v : {&dx, &dr, &fsum}) v->resize(n);
       for (auto* v : {&qsum, &rsum}) v->resize(n);

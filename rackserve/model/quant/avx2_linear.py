@@ -1,7 +1,9 @@
 """The "avx2" quantized-linear kernel: the "vnni" kernel's method and numerics (GGUF's Q4_0 / Q4_1
 / Q8_0 blocks against int8 activations in two parts, fp32-exact to ~1e-5) for CPUs with AVX2, FMA
-and F16C but no AVX-512 VNNI, as AMD Zen 2/3: four-product int8 sums by vpmaddubsw + vpmaddwd
-(llama.cpp's AVX2 path) in the native library's "avx2" build (csrc/avx2_gemv.cpp). Its weight
+and F16C but no AVX-512 VNNI, as AMD Zen 1/2/3: four-product int8 sums by vpmaddubsw + vpmaddwd
+(llama.cpp's AVX2 path) for a prefill's rows, and for a decode batch's few rows the activations as
+one int16 part against the codes widened in place by vpmaddwd (Zen 1 is bound by its integer
+multiplies), in the native library's "avx2" build (csrc/avx2_gemv.cpp). Its weight
 records are vnni_linear.pack's with 8-row tiles (a ymm's int32 lanes) and Q8_0 codes as signed
 bytes, the same bytes per weight as the GGUF file. This file must never read checkpoints.
 """
