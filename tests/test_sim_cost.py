@@ -160,6 +160,35 @@ def test_cpu_calibration_recovers_step_times_it_was_fitted_to():
         assert fitted.step([batch]).seconds == pytest.approx(seconds, rel=0.05)
 
 
+def test_a_prompt_chunks_attention_over_its_cached_prefix_runs_at_its_own_rate():
+    """prefix_attn_flops prices a chunk's queries against its cached context only (by hand: new x
+    context x the per-key FLOPs of every layer, at that class's rate instead of attn_flops');
+    a chunk without a context, decodes, and a calibration without the class are unchanged; the fit
+    recovers the class from chunks after a context."""
+    import dataclasses
+
+    from rackserve.sim.calibrate import _cpu, fit
+    spec = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    eff = {"gemm_flops": 0.6, "attn_flops": 0.4, "mem_bw": 0.9, "attn_mem_bw": 0.5}
+    plain = _cpu(300e9, 25e9, eff, (0.008, 0.002), "synthetic")
+    slow = dataclasses.replace(plain, efficiency={**eff, "prefix_attn_flops": 0.1})
+    a, b = CostModel(spec, plain), CostModel(spec, slow)
+    new, context = 64, 4096
+    cached_flops = new * context * spec.attn_flops_per_key * spec.num_layers
+    extra = cached_flops / 300e9 * (1 / 0.1 - 1 / 0.4)
+    assert b.step([[SeqWork(new, context)]]).seconds - a.step([[SeqWork(new, context)]]).seconds == \
+        pytest.approx(extra, rel=1e-9)
+    for batch in ([SeqWork(new, 0)], [SeqWork(1, context)] * 4):
+        assert b.step([batch]).seconds == a.step([batch]).seconds
+    points = [(batch, b.step([batch]).seconds) for batch in
+              [[SeqWork(1, c)] * n for n in (1, 8) for c in (256, 2048)]
+              + [[SeqWork(n, c)] for n in (32, 256) for c in (0, 1024, 4096)]]
+    fitted = fit(spec, points, 300e9, 25e9)
+    assert fitted.efficiency["prefix_attn_flops"] < fitted.efficiency["attn_flops"]
+    for batch, seconds in points:
+        assert CostModel(spec, fitted).step([batch]).seconds == pytest.approx(seconds, rel=0.05)
+
+
 def test_serving_path_costs_a_step_and_each_streamed_sequence():
     """The serving path's term prices sequences that stream a token, not prompt chunks that do not."""
     import dataclasses

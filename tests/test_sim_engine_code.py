@@ -60,3 +60,21 @@ def test_find_skips_a_calibration_whose_code_changed(tmp_path, monkeypatch):
     assert cpu_device.find(key, [str(saved)]) == str(saved / "new.json")
     (tmp_path / "src.py").write_text("a = 2\n")
     assert cpu_device.find(key, [str(saved)]) is None
+
+
+def test_each_shipped_calibration_is_found_for_its_own_processor_only(monkeypatch):
+    """The shipped keys tell a Zen 1 (family 23) from a Zen 3 (family 25), both "AMD EPYC", and
+    from the Xeon: `--hardware cpu` on each finds its own file (code checks aside: accepted here)."""
+    import os
+    monkeypatch.setattr(engine_code, "unchanged", lambda record: True)
+    shipped = {}
+    for name in os.listdir(cpu_device.SHIPPED_DIR):
+        with open(os.path.join(cpu_device.SHIPPED_DIR, name)) as f:
+            key = json.load(f).get("key")
+        if key:
+            shipped[name] = key
+    assert {"cpu-smollm2-gguf-zen1.json", "cpu-smollm2-gguf-zen3.json"} <= set(shipped)
+    assert shipped["cpu-smollm2-gguf-zen1.json"]["processor"].startswith("AMD EPYC family 23 model 1 ")
+    assert shipped["cpu-smollm2-gguf-zen3.json"]["processor"].startswith("AMD EPYC family 25 model 1 ")
+    for name, key in shipped.items():
+        assert cpu_device.find(key, [cpu_device.SHIPPED_DIR]) == os.path.join(cpu_device.SHIPPED_DIR, name)

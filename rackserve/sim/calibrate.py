@@ -20,7 +20,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-from rackserve.sim.cost import CostModel, SeqWork, packed_class
+from rackserve.sim.cost import PREFIX_CLASS, CostModel, SeqWork, packed_class
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import ModelSpec, load_model_spec
 
@@ -139,7 +139,9 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
     `decode_attn_threads`: the threads its native decode attention split decodes over (0: none), in
     `decode_attn_isa`'s build of the native library."""
     packed = (packed_class(spec.packed_kernel),) if spec.dequantize_above_tokens is not None else ()
-    classes = FITTED + packed
+    # Prompt chunks after a cached context measured: their attention over it gets a rate of its own.
+    prefix = (PREFIX_CLASS,) if any(w.new_tokens > 1 and w.context for batch, _ in points for w in batch) else ()
+    classes = FITTED + packed + prefix
     params = {**{k: 0.5 for k in classes}, "step_overhead": 0.005, "seq_overhead": 0.001}
     if native_decode_step:
         params["decode_scale"] = 1.0

@@ -31,6 +31,7 @@ from rackserve.sim.efficiency import efficiency
 from rackserve.sim.hardware import Hardware
 from rackserve.sim.model_spec import PRECISION_BYTES, ModelSpec
 
+PREFIX_CLASS = "prefix_attn_flops"   # a prompt chunk's attention over its cached prefix (a cpu calibration's)
 ACT_BYTES = 2.0                 # bf16 activations on the wire (combine); dispatch is sent in fp8
 DISPATCH_BYTES = 1.0
 
@@ -132,6 +133,10 @@ class CostModel:
         imbalance = (decode_attention_imbalance([c + 1 for c in decodes], s.num_kv_heads, self.hw.decode_attn_threads,
                                                  isa=self.hw.decode_attn_isa)
                      if self.hw.decode_attn_threads and decodes else 1.0)
+        # A prompt chunk's queries over its cached prefix, where a calibration measured their own rate
+        # (a CPU's chunk after a long context runs below the causal part's: calibrate.py fits it).
+        prefix = (efficiency("attn_flops", self.hw.efficiency) / self.hw.efficiency[PREFIX_CLASS]
+                  if PREFIX_CLASS in self.hw.efficiency else 1.0)
         for w in batch:
             if w.new_tokens == 1 and longest_decode:   # padded to the longest decode, then masked
                 w = SeqWork(1, longest_decode, w.samples)
@@ -139,6 +144,8 @@ class CostModel:
             for kind in s.attention:
                 work = kind_work(s, kind, w.new_tokens, w.context)
                 math_flops += weight * work.math_flops
+                if prefix != 1.0 and w.new_tokens > 1 and w.context:   # in attn_flops' units
+                    math_flops += (prefix - 1.0) * (work.math_flops - kind_work(s, kind, w.new_tokens, 0).math_flops)
                 kv_read += weight * work.kv_read
                 index_flops += work.index_flops
                 index_read += weight * work.index_read
