@@ -27,14 +27,20 @@ async def read_within(chunks: AsyncIterable[bytes], max_bytes: int, seconds: flo
     longer than `seconds` (None: no limit). The caller closes what it read from."""
     if declared is not None and declared > max_bytes:
         return None
-    parts, size = [], 0
-    async with asyncio.timeout(seconds):
+
+    async def join() -> bytes | None:
+        parts, size = [], 0
         async for chunk in chunks:
             size += len(chunk)
             if size > max_bytes:
                 return None
             parts.append(chunk)
-    return b"".join(parts)
+        return b"".join(parts)
+
+    try:   # wait_for, not asyncio.timeout: Python 3.10 has only the former (and its own TimeoutError)
+        return await asyncio.wait_for(join(), seconds)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"not read whole within {seconds} s") from None
 
 
 async def read_body(raw: Request, limit: int, seconds: float | None = None) -> bytes:
