@@ -182,8 +182,7 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens if landed else hit.num_tokens
             remaining = request.num_tokens - start
-            n = 1 if remaining == 1 and prefill_left <= 0 else \
-                self._prefill_chunk(remaining, min(budget, prefill_left))
+            n = 1 if remaining == 1 else self._prefill_chunk(remaining, min(budget, prefill_left))
             if n == 0 or self.kv.allocate_slots(request, n, hit) is None:
                 break
             self.waiting.popleft()

@@ -24,7 +24,7 @@ from rackserve.router.cli import add_body_args
 from rackserve.serve.cli import register_subcommand
 from rackserve.serve.http_server import HEADER_TIMEOUT_S
 from rackserve.serve.limits import ServerLimits
-from rackserve.serve.request_body import read_body, read_within
+from rackserve.serve.request_body import declared_length, read_body, read_within
 from rackserve.serve.serving_engine import CLIENT_CLOSED_REQUEST, SSE_DONE, OpenAIError, unless_client_leaves
 
 PREFILL_TIMEOUT_S = 600.0
@@ -59,10 +59,9 @@ def build_app(prefill_urls: list[str], decode_urls: list[str],
 
     async def whole(resp: httpx.Response) -> bytes:
         """`resp`'s body, read to at most max_answer_bytes (a 502 past it); closes `resp`."""
-        declared = resp.headers.get("content-length")
         try:
             data = await read_within(resp.aiter_bytes(), max_answer_bytes, PREFILL_TIMEOUT_S,
-                                     int(declared) if declared is not None and declared.isdigit() else None)
+                                     declared_length(resp.headers.get("content-length")))
         finally:
             await resp.aclose()
         if data is None:

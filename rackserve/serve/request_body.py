@@ -43,13 +43,16 @@ async def read_within(chunks: AsyncIterable[bytes], max_bytes: int, seconds: flo
         raise TimeoutError(f"not read whole within {seconds} s") from None
 
 
+def declared_length(content_length: str | None) -> int | None:
+    """A Content-Length header's byte count, for read_within (None: absent or not a count)."""
+    return int(content_length) if content_length is not None and content_length.isdigit() else None
+
+
 async def read_body(raw: Request, limit: int, seconds: float | None = None) -> bytes:
     """The request body; raises OpenAIError 413 once it is known to exceed `limit` bytes, 408
     when it takes longer than `seconds` (--header-timeout, counted from here)."""
-    declared = raw.headers.get("content-length")
     try:
-        body = await read_within(raw.stream(), limit, seconds,
-                                 int(declared) if declared is not None and declared.isdigit() else None)
+        body = await read_within(raw.stream(), limit, seconds, declared_length(raw.headers.get("content-length")))
     except TimeoutError:
         raise OpenAIError(f"the request body did not arrive within {seconds:g} s (--header-timeout)",
                           status=408, code="request_timeout") from None

@@ -16,7 +16,7 @@ It owns the measurement, the marker and the wrapping; it must never tokenize a w
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PROBE_WORDS = 20
@@ -74,7 +74,7 @@ def template_for(tokenizer_name: str | None) -> TemplateTokens:
         return TemplateTokens()
 
 
-def marker_ids(tokenizer_name: str | None) -> Callable[[str], list[int]] | None:
+def marker_ids(tokenizer_name: str | None) -> Callable[[str], Sequence[int]] | None:
     """The server's tokens of a short text outside the workload's blocks (bench's play marker), or
     None where `template_for` finds no tokenizer (the marker then counts a token a word)."""
     if tokenizer_name in (None, "none"):
