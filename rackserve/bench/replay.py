@@ -8,8 +8,9 @@ warm-ups run before the run's clock starts, later ones within it); every prompt 
 after the shared system prompt, with a marker naming the run and the play, so two plays of one
 session never share cache. The prompt of each turn is the recorded one (recorded outputs, not
 what the server generated); max_tokens is the recorded output, with ignore_eos. Recorded think
-times are honoured up to a cap. After `duration` seconds no new request starts; requests in
-flight finish and are measured.
+times are honoured up to a cap. After `duration` seconds no new request starts, nor in a lane
+that has started `requests_per_lane` measured requests (when set: a run of a fixed amount of
+work, whatever the machine's speed); requests in flight finish and are measured.
 
 This file owns the lanes and the play order. It must never compute statistics nor speak HTTP
 itself (client.py does).
@@ -42,6 +43,7 @@ class ReplayConfig:
     think_time_cap: float               # seconds; recorded think times above it are cut to it
     seed: int                           # random starts
     run_id: str                         # in every marker: distinct runs never share cache
+    requests_per_lane: int | None = None    # measured requests (main and subagent) a lane may start
 
 
 @dataclass
@@ -65,11 +67,13 @@ class _Play(NamedTuple):
 class Replay:
     def __init__(self, workload: Workload, renderer: PromptRenderer, client: ChatClient, config: ReplayConfig):
         assert config.concurrency > 0 and config.duration > 0, "a run needs lanes and time"
+        assert config.requests_per_lane is None or config.requests_per_lane > 0, "a lane needs requests"
         self.workload, self.renderer, self.client, self.config = workload, renderer, client, config
         self.stats = LiveStats(["idle"] * config.concurrency)
         self.records: list[RequestRecord] = []
         self._plays = 0
         self._deadline = 0.0
+        self._started = [0] * config.concurrency    # measured requests each lane has started
 
     async def run(self) -> list[RequestRecord]:
         # The lanes' first warm-ups run before the clock starts: N long prefills at once would
@@ -80,8 +84,9 @@ class Replay:
         await asyncio.gather(*(self._lane(lane, play) for lane, play in enumerate(plays)))
         return self.records
 
-    def _open(self) -> bool:
-        return self.client.clock() < self._deadline
+    def _open(self, lane: int) -> bool:
+        bound = self.config.requests_per_lane
+        return self.client.clock() < self._deadline and (bound is None or self._started[lane] < bound)
 
     def elapsed(self) -> float | None:
         """Seconds since the measured window opened; None during the first warm-ups."""
@@ -92,7 +97,7 @@ class Replay:
     async def _lane(self, lane: int, play: _Play) -> None:
         while True:
             await self._play(lane, play)
-            if not self._open():
+            if not self._open(lane):
                 break
             play = await self._begin(lane)
         self.stats.lanes[lane] = "done"
@@ -133,14 +138,17 @@ class Replay:
         await asyncio.gather(*(agent(a) for a in group.agents))
 
     async def _turn(self, lane: int, play: _Play, session: Session, turn: Turn, index: int, kind: str) -> bool:
-        """Think, then send; False once the run has closed."""
+        """Think, then send; False once the run (or this lane's share of it) has closed."""
+        if not self._open(lane):
+            return False
         think = min(turn.think_time, self.config.think_time_cap, self._deadline - self.client.clock())
         if think > 0:
             if kind == "main":
                 self.stats.lanes[lane] = "think"
             await asyncio.sleep(think)
-        if not self._open():
+        if not self._open(lane):
             return False
+        self._started[lane] += 1
         if kind == "main":
             self.stats.lanes[lane] = "busy"
         await self._send(lane, play, session, turn, index, kind, turn.output_len)

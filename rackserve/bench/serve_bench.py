@@ -42,6 +42,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="agentx", help="agentx, random, or trace:FILE (weka format)")
     parser.add_argument("--concurrency", default="1,2,4,8", help="comma-separated lane counts, one run each")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds during which requests start, per run")
+    parser.add_argument("--requests-per-lane", type=int, default=None,
+                        help="a lane starts at most this many measured requests (main and subagent turns): a fixed "
+                             "amount of work whatever the machine's speed; --duration still bounds the run")
     parser.add_argument("--devices", type=int, default=1, help="devices serving, for throughput per device")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload's content and the random starts")
     parser.add_argument("--scale", type=float, default=None,
@@ -73,8 +76,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
-        if not levels or min(levels) < 1 or args.duration <= 0 or args.devices < 1:
-            raise ValueError("concurrency levels, duration and devices must be positive")
+        if not levels or min(levels) < 1 or args.duration <= 0 or args.devices < 1 \
+                or (args.requests_per_lane is not None and args.requests_per_lane < 1):
+            raise ValueError("concurrency levels, duration, devices and requests per lane must be positive")
     except ValueError as e:
         print(f"rackserve bench serve: {e}", file=sys.stderr)
         return 2
@@ -140,11 +144,13 @@ async def bench_serve(args: argparse.Namespace, levels: list[int], console: Cons
         result = {"label": args.label or model, "base_url": args.base_url, "model": model,
                   "workload": args.workload, "scale": workload.scale, "output_scale": workload.output_scale,
                   "seed": args.seed, "devices": args.devices, "duration": args.duration,
+                  "requests_per_lane": args.requests_per_lane,
                   "think_time_cap": args.think_time_cap, "max_context": max_context, "eos": args.eos,
                   "vocabulary": vocabulary.source, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "command": sys.argv, "workload_stats": dataclasses.asdict(stats), "runs": []}
         for concurrency in levels:
-            config = ReplayConfig(concurrency, args.duration, args.think_time_cap, args.seed, f"{nonce}c{concurrency}")
+            config = ReplayConfig(concurrency, args.duration, args.think_time_cap, args.seed, f"{nonce}c{concurrency}",
+                                  args.requests_per_lane)
             clock = run_clock()
             client = ChatClient(args.base_url, model, http, clock, args.request_timeout, extra_fields)
             replay = Replay(workload, renderer, client, config)
