@@ -9,8 +9,9 @@
 //   d[8] fp16, then (Q4_1) m[8] fp16.
 // A decode batch's few rows (tile_dot) take each block of 32 of x as dx * j with j int16 (one part):
 // on Zen 1, which splits a ymm op in two 128-bit halves, the one-row GEMV is bound by the integer
-// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on, Q4_* take
-// tile_rows instead: x as dx * q + dr * r (two int8 parts, with their integer sums and the block's
+// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on (or from where the
+// loader measured the crossover: g_many_rows), Q4_* take tile_rows instead: x as dx * q + dr * r
+// (two int8 parts, with their integer sums and the block's
 // float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
 // call and the codes unpacked once for all the rows, llama.cpp's AVX2 method. A block's product is
 // d * dx * (sum(code j) - 8 sum(j)) for Q4_0, d * dx * sum(code j) (+ m * sum(x) for Q4_1) otherwise
@@ -21,6 +22,7 @@
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include "quantized_rows.h"
 
 namespace {
@@ -213,11 +215,15 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
 // output rows) by up to kMaxRows rows of x at once, fewer where a row's quantized activations are
 // long, so that the chunk's rows (kChunkBytes in all) stay in L1 or close while each tile of a group
 // meets them (2 tiles a call measured 0.79-1.00x 4 on Zen 3, bench/results/avx2-gemm-ab-*-s9z.json).
-// gemv() takes it from kManyRows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
+// gemv() takes it from g_many_rows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
+// Where the two cross depends on the CPU (Zen 1's halved ymm multiplies make tile_dot's per-row
+// unpacking dearer: tile_rows won there from 3 rows, 1.06-1.28x at 3-4): 5 until the loader sets
+// what it measured on this machine (quant/avx2_linear.py, rs_avx2_set_many_rows).
 constexpr int kTiles = 4;
 constexpr int kMaxRows = 16;
 constexpr int64_t kChunkBytes = 48 << 10;   // 24 KB: 576x1536 at 64-512 rows 0.92x (7 rows a call, not 14)
 constexpr int64_t kManyRows = 5;
+std::atomic<int64_t> g_many_rows{kManyRows};
 
 // One block of `n` tiles' codes, unpacked once for all the rows of a tile_rows call: the codes as
 // signed bytes c - 8 (Q4_0's w = d (c - 8); Q4_1's d c + m = d (c - 8) + (m + 8 d)), laid out as
@@ -326,14 +332,14 @@ inline void tile_rows(const uint8_t* rec, int64_t tile_bytes, int64_t nb, const 
 }
 
 template <int kKind>
-void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
+void gemv(const QuantizedRows& xq, int64_t rows, bool many, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
           int threads) {
   constexpr int64_t kRecBytes = kKind == 2 ? 272 : (kKind == 1 ? 160 : 144);
   const int64_t nb = k / kGroup, width = tiles * kTile, tile_bytes = nb * kRecBytes;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work (as
   // vnni_gemv.cpp: 128 output rows a thread at least).
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 16)));
-  if (kKind == 2 || rows < kManyRows) {
+  if (kKind == 2 || !many) {
 #pragma omp parallel for num_threads(n) schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const uint8_t* tile = packed + t * tile_bytes;
@@ -377,10 +383,17 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = kind != 2 && rows >= kManyRows ? quantize_rows(x, rows, k, threads)
-                                                            : quantize_rows16(x, rows, k, threads);
-  if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
-  else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
-  else gemv<2>(xq, rows, k, packed, tiles, y, threads);
+  const bool many = kind != 2 && rows >= g_many_rows.load(std::memory_order_relaxed);
+  const QuantizedRows& xq = many ? quantize_rows(x, rows, k, threads) : quantize_rows16(x, rows, k, threads);
+  if (kind == 0) gemv<0>(xq, rows, many, k, packed, tiles, y, threads);
+  else if (kind == 1) gemv<1>(xq, rows, many, k, packed, tiles, y, threads);
+  else gemv<2>(xq, rows, many, k, packed, tiles, y, threads);
   return 0;
+}
+
+// From `rows` rows up, Q4_* calls take tile_rows (before: tile_dot row by row); returns the rows it
+// replaced, or -1 for rows < 1. For the loader's measured choice and the tests; not while a call runs.
+extern "C" int rs_avx2_set_many_rows(int64_t rows) {
+  if (rows < 1) return -1;
+  return static_cast<int>(g_many_rows.exchange(rows));
 }
