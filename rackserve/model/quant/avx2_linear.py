@@ -91,6 +91,11 @@ def choose_many_rows() -> int:
     return _chosen
 
 
+def chosen_many_rows() -> int | None:
+    """The crossover set in this process (None before an Avx2Linear was built)."""
+    return _chosen
+
+
 def set_many_rows(rows: int) -> int:
     """Sets the crossover (for tests and A/B runs); returns the one it replaced."""
     global _chosen
