@@ -42,7 +42,8 @@ def pick_many_rows(few_s: dict[int, float], many_s: dict[int, float]) -> int:
 
 def measure_many_rows(lib, threads: int, repeats: int = 15) -> tuple[int, dict[int, float], dict[int, float]]:
     """Times both paths of rs_avx2_gemv at CANDIDATE_ROWS rows on a random 1536x576 Q4_1 weight (a
-    SmolLM2-sized layer, ~0.5 MB: from L2/L3, as a decode step's weights are not), the two paths
+    SmolLM2-sized layer, ~0.5 MB, read from L2/L3 after the first round: the multiplies are what
+    differ, the weight's bytes are the same on both paths), the two paths
     alternating call by call, and returns (pick_many_rows of the fastest calls, few-rows seconds,
     many-rows seconds): the fastest of many, as other processes on the CPU only ever slow a call.
     Leaves the library's crossover as it found it."""
