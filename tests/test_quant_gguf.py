@@ -11,9 +11,7 @@ import torch
 
 from rackserve.config import ModelConfig
 from rackserve.model.loader import load_model
-from rackserve.model.native_ops import load
-from rackserve.model.quant.avx2_linear import (CANDIDATE_ROWS, DEFAULT_MANY_ROWS, measure_many_rows, pick_many_rows,
-                                               set_many_rows)
+from rackserve.model.quant.avx2_linear import DEFAULT_MANY_ROWS, set_many_rows
 from rackserve.model.quant.gguf_blocks import from_gguf
 from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
 from rackserve.model.native import ISAS, unavailable_reason
@@ -106,7 +104,7 @@ def test_the_avx2_few_rows_path_on_a_wide_weight_over_two_threads(qtype):
     ref = (x.double() @ w.double().T).float()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    before = set_many_rows(DEFAULT_MANY_ROWS)   # 3 rows stay few wherever this CPU's crossover is
+    before = set_many_rows(DEFAULT_MANY_ROWS)   # 3 rows: the few-rows path
     try:
         y = linear(x)
         one = linear(x[2:])
@@ -146,27 +144,6 @@ def test_the_avx2_few_and_many_rows_paths_agree_at_every_crossover(qtype):
         set_many_rows(before)
     # The crossover picks a path: Q4_*'s round x differently (~1e-5 apart); Q8_0's two give the same sums.
     assert torch.equal(outputs[9, 4], outputs[1, 4]) == (qtype == "Q8_0")
-
-
-def test_the_avx2_crossover_is_the_first_row_count_the_many_rows_path_wins_from():
-    few = {2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0}
-    assert pick_many_rows(few, {2: 1.1, 3: 0.9, 4: 0.8, 5: 0.7, 6: 0.6}) == 3
-    # A win below a loss does not count: the path must win from there on.
-    assert pick_many_rows(few, {2: 0.9, 3: 1.2, 4: 0.8, 5: 0.7, 6: 0.6}) == 4
-    assert pick_many_rows(few, {2: 0.5, 3: 0.5, 4: 0.5, 5: 0.5, 6: 0.5}) == 2
-    assert pick_many_rows(few, {2: 2.0, 3: 2.0, 4: 2.0, 5: 2.0, 6: 1.5}) == 7
-
-
-@pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
-def test_measuring_the_avx2_crossover_leaves_the_library_as_it_found_it():
-    before = set_many_rows(6)
-    try:
-        pick, few, many = measure_many_rows(load("avx2"), threads=1, repeats=2)
-        assert set_many_rows(6) == 6
-    finally:
-        set_many_rows(before)
-    assert sorted(few) == sorted(many) == list(CANDIDATE_ROWS)
-    assert pick == pick_many_rows(few, many) and all(t > 0 for t in [*few.values(), *many.values()])
 
 
 @pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))

@@ -73,14 +73,10 @@ def _write(path: str | None, result: dict) -> None:
         print(f"wrote {path}")
 
 
-def _kernels(llm) -> dict[str, str | int | None]:
+def _kernels(llm) -> dict[str, str | None]:
     """The native library build and the quantized-linear kernel a run used: its figures depend on them."""
     m = llm.engine.config.model
-    kernels = {"native_isa": m.native_isa, "quant_kernel": m.quant_kernel if m.quantization == "gguf" else None}
-    if kernels["quant_kernel"] == "avx2":   # the crossover it measured at load (quant/avx2_linear.py)
-        from rackserve.model.quant.avx2_linear import chosen_many_rows
-        kernels["avx2_many_rows"] = chosen_many_rows()
-    return kernels
+    return {"native_isa": m.native_isa, "quant_kernel": m.quant_kernel if m.quantization == "gguf" else None}
 
 
 # ---- latency ------------------------------------------------------------------------------

@@ -9,10 +9,9 @@
 //   d[8] fp16, then (Q4_1) m[8] fp16.
 // A decode batch's few rows (tile_dot) take each block of 32 of x as dx * j with j int16 (one part):
 // on Zen 1, which splits a ymm op in two 128-bit halves, the one-row GEMV is bound by the integer
-// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on (or from where the
-// loader measured the crossover: g_many_rows), Q4_* take tile_rows instead: x as dx * q + dr * r
-// (two int8 parts, with their integer sums and the block's
-// float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
+// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on (g_many_rows),
+// Q4_* take tile_rows instead: x as dx * q + dr * r (two int8 parts, with their integer sums and
+// the block's float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
 // call and the codes unpacked once for all the rows, llama.cpp's AVX2 method. A block's product is
 // d * dx * (sum(code j) - 8 sum(j)) for Q4_0, d * dx * sum(code j) (+ m * sum(x) for Q4_1) otherwise
 // (in tile_rows with q and r for j): GGUF's numerics.
@@ -217,9 +216,9 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
 // long, so that the chunk's rows (kChunkBytes in all) stay in L1 or close while each tile of a group
 // meets them (2 tiles a call measured 0.79-1.00x 4 on Zen 3, bench/results/avx2-gemm-ab-*-s9z.json).
 // gemv() takes it from g_many_rows rows up (Q8_0 widen_q8's path); fewer rows go row by row through tile_dot.
-// Where the two cross depends on the CPU (Zen 1's halved ymm multiplies make tile_dot's per-row
-// unpacking dearer: tile_rows won there from 3 rows, 1.06-1.28x at 3-4): 5 until the loader sets
-// what it measured on this machine (quant/avx2_linear.py, rs_avx2_set_many_rows).
+// 5 rows: on a Zen 1 tile_rows won from 3 rows on a weight in cache (1.06-1.28x at 3-4) but lost
+// 4-9% at 3-4 rows in whole decode steps, whose weights stream from DRAM (docs/benchmarks.md,
+// thirteenth round). Tests and A/B runs move it (rs_avx2_set_many_rows) to reach both paths.
 constexpr int kTiles = 4;
 constexpr int kMaxRows = 16;
 constexpr int64_t kChunkBytes = 48 << 10;   // 24 KB: 576x1536 at 64-512 rows 0.92x (7 rows a call, not 14)
@@ -446,8 +445,9 @@ extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8
   return 0;
 }
 
-// From `rows` rows up, Q4_* calls take tile_rows (before: tile_dot row by row); returns the rows it
-// replaced, or -1 for rows < 1. For the loader's measured choice and the tests; not while a call runs.
+// From `rows` rows up, calls take the many-rows paths (tile_rows; Q8_0's widen_q8) instead of
+// tile_dot row by row; returns the rows it replaced, or -1 for rows < 1. For tests and A/B runs;
+// not while a call runs.
 extern "C" int rs_avx2_set_many_rows(int64_t rows) {
   if (rows < 1) return -1;
   return static_cast<int>(g_many_rows.exchange(rows));
