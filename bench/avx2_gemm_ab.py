@@ -1,7 +1,7 @@
 """A/B micro-benchmark of csrc/avx2_gemv.cpp at prefill rows (issue 12, ninth round, the first Zen 3):
 the kernel of a git ref (default main) against the working tree's (or --b-file's), each compiled on
 its own with the avx2 build's flags, called through ctypes on SmolLM2's four Q4_1 weights (random
-GGUF blocks packed as quant/avx2_linear.py packs them), and torch's fp32 GEMM of the same weight
+GGUF blocks packed as quant/avx2_linear.py packs them; --qtype and --shapes for others, as its Q8_0 lm_head), and torch's fp32 GEMM of the same weight
 already dequantized ("dense"; and the dequantization a dense call also pays, timed on its own),
 alternately A B dense, in one process. Prints each case's medians and GFLOP/s (2 rows out in
 flops), and writes the rows to --output as JSON with the CPU and the load.
@@ -47,11 +47,14 @@ def build(source_text: str, out_dir: str, name: str) -> ctypes.CDLL:
     return handle
 
 
-def q4_1_linear(out: int, k: int) -> Avx2Linear:
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+def random_linear(out: int, k: int, qtype: str = "Q4_1") -> Avx2Linear:
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
     w = np.random.default_rng(out * k).standard_normal((out, k)).astype(np.float32) * 0.05 + 0.01
-    return Avx2Linear(from_gguf("Q4_1", quantize(w, Q.Q4_1)))
+    return Avx2Linear(from_gguf(qtype, quantize(w, Q[qtype])))
 
 
 def timed(call, seconds: float) -> list[float]:
@@ -74,6 +77,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="OUTxIN,... (default: SmolLM2's four)")
     parser.add_argument("--pairs", type=int, default=2, help="alternating A B dense rounds")
     parser.add_argument("--seconds", type=float, default=0.3, help="per case, side and round")
+    parser.add_argument("--qtype", default="Q4_1", choices=list(KINDS), help="the weights' GGUF type (Q8_0: an lm_head)")
     parser.add_argument("--no-dense", action="store_true")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
@@ -92,7 +96,7 @@ def main() -> None:
         for threads in [int(t) for t in args.threads.split(",")]:
             torch.set_num_threads(threads)
             for out, k in shapes:
-                lin = q4_1_linear(out, k)
+                lin = random_linear(out, k, args.qtype)
                 tiles = lin.packed.shape[0]
                 w = lin.dequantize()
                 deq_ms = sorted(timed(lin.dequantize, args.seconds))
@@ -101,7 +105,7 @@ def main() -> None:
                     x = torch.randn(n, k)
                     x[:, 5] *= 20
                     ys = {s: torch.empty(n, tiles * 8) for s in libs}
-                    calls = {s: (lambda lib=lib, y=ys[s]: lib.rs_avx2_gemv(x.data_ptr(), n, k, lin.packed.data_ptr(), tiles, 1,
+                    calls = {s: (lambda lib=lib, y=ys[s]: lib.rs_avx2_gemv(x.data_ptr(), n, k, lin.packed.data_ptr(), tiles, KINDS[args.qtype],
                                                                          y.data_ptr(), threads)) for s, lib in libs.items()}
                     if not args.no_dense:
                         calls["dense"] = lambda: F.linear(x, w)

@@ -11,6 +11,7 @@ import torch
 
 from rackserve.config import ModelConfig
 from rackserve.model.loader import load_model
+from rackserve.model.quant.avx2_linear import DEFAULT_MANY_ROWS, set_many_rows
 from rackserve.model.quant.gguf_blocks import from_gguf
 from rackserve.model.quant.int4_linear import DENSE_ABOVE_ROWS
 from rackserve.model.native import ISAS, unavailable_reason
@@ -103,14 +104,46 @@ def test_the_avx2_few_rows_path_on_a_wide_weight_over_two_threads(qtype):
     ref = (x.double() @ w.double().T).float()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    before = set_many_rows(DEFAULT_MANY_ROWS)   # 3 rows: the few-rows path
     try:
         y = linear(x)
         one = linear(x[2:])
+        set_many_rows(1)                        # and the many-rows path on the same weight and threads
+        many = linear(x)
     finally:
         torch.set_num_threads(threads)
-    err = (y - ref).abs().amax(-1) / ref.abs().amax(-1)
-    assert float(err.max()) < TOLERANCE["avx2"]
+        set_many_rows(before)
+    for out in (y, many):
+        err = (out - ref).abs().amax(-1) / ref.abs().amax(-1)
+        assert float(err.max()) < TOLERANCE["avx2"]
     assert torch.equal(one, y[2:])      # a row's outputs do not depend on the rows beside it
+    # Q8_0's many rows meet the codes widened once a tile: tile_dot's integer sums, to the bit.
+    assert torch.equal(many, y) == (qtype == "Q8_0")
+
+
+@pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_the_avx2_few_and_many_rows_paths_agree_at_every_crossover(qtype):
+    # 1 to 8 rows through the few-rows path (crossover past them) and the many-rows one (crossover
+    # 1), each against the fp32 product of the dequantized weight.
+    blocks, w = random_blocks(qtype, rows=80, cols=576, seed=5)
+    linear = QUANT_KERNELS.get("avx2")(from_gguf(qtype, blocks))
+    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(2))
+    x[:, 3] *= 20
+    ref = (x.double() @ w.double().T).float()
+    before = set_many_rows(DEFAULT_MANY_ROWS)
+    outputs = {}
+    try:
+        for crossover in (9, 1):
+            set_many_rows(crossover)
+            for rows in range(1, 9):
+                y = outputs[crossover, rows] = linear(x[:rows])
+                err = (y - ref[:rows]).abs().amax(-1) / ref[:rows].abs().amax(-1)
+                assert float(err.max()) < TOLERANCE["avx2"], (crossover, rows)
+    finally:
+        set_many_rows(before)
+    # The crossover picks a path: Q4_*'s round x differently (~1e-5 apart); Q8_0's two give the same sums.
+    assert torch.equal(outputs[9, 4], outputs[1, 4]) == (qtype == "Q8_0")
 
 
 @pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))

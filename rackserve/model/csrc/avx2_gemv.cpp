@@ -9,9 +9,9 @@
 //   d[8] fp16, then (Q4_1) m[8] fp16.
 // A decode batch's few rows (tile_dot) take each block of 32 of x as dx * j with j int16 (one part):
 // on Zen 1, which splits a ymm op in two 128-bit halves, the one-row GEMV is bound by the integer
-// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on, Q4_* take
-// tile_rows instead: x as dx * q + dr * r (two int8 parts, with their integer sums and the block's
-// float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
+// multiplies, and each code then meets x in one vpmaddwd (below). From 5 rows on (g_many_rows),
+// Q4_* take tile_rows instead: x as dx * q + dr * r (two int8 parts, with their integer sums and
+// the block's float sum) as vnni_gemv.cpp's, multiplied by vpmaddubsw (u8 x s8 pairs into int16) with 4 tiles a
 // call and the codes unpacked once for all the rows, llama.cpp's AVX2 method. A block's product is
 // d * dx * (sum(code j) - 8 sum(j)) for Q4_0, d * dx * sum(code j) (+ m * sum(x) for Q4_1) otherwise
 // (in tile_rows with q and r for j): GGUF's numerics.
@@ -21,6 +21,8 @@
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
+#include <vector>
 #include "quantized_rows.h"
 
 namespace {
@@ -213,11 +215,15 @@ inline __m256 tile_dot(const uint8_t* rec, int64_t nb, const QuantizedRows& x, i
 // output rows) by up to kMaxRows rows of x at once, fewer where a row's quantized activations are
 // long, so that the chunk's rows (kChunkBytes in all) stay in L1 or close while each tile of a group
 // meets them (2 tiles a call measured 0.79-1.00x 4 on Zen 3, bench/results/avx2-gemm-ab-*-s9z.json).
-// gemv() takes it from kManyRows rows up; fewer rows, and Q8_0, go row by row through tile_dot.
+// gemv() takes it from g_many_rows rows up (Q8_0 widen_q8's path); fewer rows go row by row through tile_dot.
+// 5 rows: on a Zen 1 tile_rows won from 3 rows on a weight in cache (1.06-1.28x at 3-4) but lost
+// 4-9% at 3-4 rows in whole decode steps, whose weights stream from DRAM (docs/benchmarks.md,
+// thirteenth round). Tests and A/B runs move it (rs_avx2_set_many_rows) to reach both paths.
 constexpr int kTiles = 4;
 constexpr int kMaxRows = 16;
 constexpr int64_t kChunkBytes = 48 << 10;   // 24 KB: 576x1536 at 64-512 rows 0.92x (7 rows a call, not 14)
 constexpr int64_t kManyRows = 5;
+std::atomic<int64_t> g_many_rows{kManyRows};
 
 // One block of `n` tiles' codes, unpacked once for all the rows of a tile_rows call: the codes as
 // signed bytes c - 8 (Q4_0's w = d (c - 8); Q4_1's d c + m = d (c - 8) + (m + 8 d)), laid out as
@@ -325,15 +331,69 @@ inline void tile_rows(const uint8_t* rec, int64_t tile_bytes, int64_t nb, const 
     for (int t = 0; t < kN; ++t) _mm256_storeu_ps(y + i * y_stride + t * kTile, _mm256_load_ps(acc[i] + t * kTile));
 }
 
+// Q8_0's many rows (from g_many_rows, as Q4_*'s tile_rows; an lm_head over a decode batch): a
+// tile's codes widened once, both bytes of each int16 lane sign-extended (the low by shifting left
+// then arithmetic right, the high by an arithmetic shift), with the blocks' scales as floats, into
+// the calling thread's buffers; then each row meets them as tile_dot's Q8_0 does, by vpmaddwd alone,
+// not re-widening them row by row. The integer sums are tile_dot's exactly (its 128 sum(x) offset
+// is the low bytes' + 128, absent here), so the outputs are the few-rows path's to the bit.
+inline void widen_q8(const uint8_t* rec, int64_t nb, int16_t* codes, float* d) {
+  for (int64_t b = 0; b < nb; ++b, rec += 272, codes += 256, d += kTile) {
+    for (int c = 0; c < 272; c += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch + c), _MM_HINT_T0);
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 * g));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * g), _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 32 * g + 16), _mm256_srai_epi16(v, 8));
+    }
+    _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 256))));
+  }
+}
+
+inline __m256 wide_dot(const int16_t* codes, const float* d, int64_t nb, const QuantizedRows& x, int64_t row, int64_t k) {
+  const int16_t* xj = x.x16.data() + row * k;
+  const float* dx = x.dx.data() + row * nb;
+  auto pair = [&](int i) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xj + 2 * i)); };
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, xj += kGroup, codes += 256, d += kTile) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i* w = reinterpret_cast<const __m256i*>(codes + 32 * g);
+      s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_loadu_si256(w), pair(2 * g)));
+      s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_loadu_si256(w + 1), pair(2 * g + 1)));
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                          _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_set1_ps(dx[b])), acc);
+  }
+  return acc;
+}
+
 template <int kKind>
-void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
+void gemv(const QuantizedRows& xq, int64_t rows, bool many, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
           int threads) {
   constexpr int64_t kRecBytes = kKind == 2 ? 272 : (kKind == 1 ? 160 : 144);
   const int64_t nb = k / kGroup, width = tiles * kTile, tile_bytes = nb * kRecBytes;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work (as
   // vnni_gemv.cpp: 128 output rows a thread at least).
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles / 16)));
-  if (kKind == 2 || rows < kManyRows) {
+  if (kKind == 2 && many) {
+#pragma omp parallel num_threads(n)
+    {
+      thread_local std::vector<int16_t> codes;
+      thread_local std::vector<float> d;
+      if (static_cast<int64_t>(codes.size()) < 256 * nb) {
+        codes.resize(256 * nb);
+        d.resize(kTile * nb);
+      }
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tiles; ++t) {
+        widen_q8(packed + t * tile_bytes, nb, codes.data(), d.data());
+        for (int64_t r = 0; r < rows; ++r)
+          _mm256_storeu_ps(y + r * width + t * kTile, wide_dot(codes.data(), d.data(), nb, xq, r, k));
+      }
+    }
+    return;
+  }
+  if (kKind == 2 || !many) {
 #pragma omp parallel for num_threads(n) schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const uint8_t* tile = packed + t * tile_bytes;
@@ -377,10 +437,18 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
 extern "C" int rs_avx2_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
   if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = kind != 2 && rows >= kManyRows ? quantize_rows(x, rows, k, threads)
-                                                            : quantize_rows16(x, rows, k, threads);
-  if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
-  else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
-  else gemv<2>(xq, rows, k, packed, tiles, y, threads);
+  const bool many = rows >= g_many_rows.load(std::memory_order_relaxed);
+  const QuantizedRows& xq = many && kind != 2 ? quantize_rows(x, rows, k, threads) : quantize_rows16(x, rows, k, threads);
+  if (kind == 0) gemv<0>(xq, rows, many, k, packed, tiles, y, threads);
+  else if (kind == 1) gemv<1>(xq, rows, many, k, packed, tiles, y, threads);
+  else gemv<2>(xq, rows, many, k, packed, tiles, y, threads);
   return 0;
+}
+
+// From `rows` rows up, calls take the many-rows paths (tile_rows; Q8_0's widen_q8) instead of
+// tile_dot row by row; returns the rows it replaced, or -1 for rows < 1. For tests and A/B runs;
+// not while a call runs.
+extern "C" int rs_avx2_set_many_rows(int64_t rows) {
+  if (rows < 1) return -1;
+  return static_cast<int>(g_many_rows.exchange(rows));
 }
