@@ -23,7 +23,6 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 if TYPE_CHECKING:
-    import gguf
     import transformers
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -108,13 +107,13 @@ class Tokenizer:
                                      "the number of messages.")
 
 
-def load_tokenizer(path: str, reader: "gguf.GGUFReader | None" = None) -> Tokenizer:
-    """From a .gguf file (pass `reader` to reuse one the model loader already opened) or an HF
-    directory holding tokenizer.json."""
+def load_tokenizer(path: str) -> Tokenizer:
+    """From a .gguf file (its metadata: rackserve/gguf_file.py) or an HF directory holding
+    tokenizer.json."""
     if os.path.isdir(path):
         return _load_hf_dir(path)
     if path.endswith(".gguf"):
-        return _load_gguf(path, reader)
+        return _load_gguf(path)
     raise ValueError(f"tokenizer path {path!r} is neither a .gguf file nor a directory")
 
 
@@ -151,10 +150,11 @@ def _read_chat_template_file(path: str) -> str | None:
     return None
 
 
-def _load_gguf(path: str, reader: "gguf.GGUFReader | None") -> Tokenizer:
-    import gguf
+def _load_gguf(path: str) -> Tokenizer:
     from transformers import PreTrainedTokenizerFast
-    meta = _GGUFMetadata(reader or gguf.GGUFReader(path))
+
+    from rackserve.gguf_file import GGUFFile
+    meta = GGUFFile(path).metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise NotImplementedError(f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level "
@@ -178,26 +178,6 @@ def _load_gguf(path: str, reader: "gguf.GGUFReader | None") -> Tokenizer:
         chat_template=meta.get("tokenizer.chat_template"), clean_up_tokenization_spaces=False)
     eos = {meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")}
     return Tokenizer(hf, frozenset(i for i in eos if i is not None))
-
-
-class _GGUFMetadata:
-    """Scalar and array fields of a GGUF file by key, decoded to Python values on demand."""
-
-    def __init__(self, reader: "gguf.GGUFReader"):
-        self._fields = reader.fields
-
-    def get(self, key: str):
-        import gguf
-        field = self._fields.get(key)
-        if field is None:
-            return None
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            if field.types[-1] == gguf.GGUFValueType.STRING:
-                return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            return [field.parts[i][0].item() for i in field.data]
-        value = field.parts[field.data[0]]
-        return bytes(value).decode("utf-8") if kind == gguf.GGUFValueType.STRING else value[0].item()
 
 
 def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str], pre: str) -> RustTokenizer:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rackserve.gguf_file import GGUFFile
 from rackserve.model.quant.gguf_blocks import SUPPORTED, Int4Groups, from_gguf
 
 # GGUF general.architecture -> HF architecture name (a key of models.MODEL_REGISTRY).
@@ -31,20 +32,19 @@ _LAYER_NAMES = {
 }
 
 
-def open_gguf(path: str):
-    import gguf
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default: Any = KeyError) -> Any:
-    if key not in reader.fields:
+def _field(reader: GGUFFile, key: str, default: Any = KeyError) -> Any:
+    if key not in reader.metadata:
         if default is KeyError:
             raise KeyError(f"GGUF metadata lacks {key!r}")
         return default
-    return reader.fields[key].contents()
+    return reader.metadata[key]
 
 
-def gguf_config(reader) -> dict[str, Any]:
+def gguf_config(reader: GGUFFile) -> dict[str, Any]:
     """The HF config.json equivalent of the file's metadata."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -99,7 +99,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_weights(reader, config: dict[str, Any], keep_quantized: bool = False
+def gguf_weights(reader: GGUFFile, config: dict[str, Any], keep_quantized: bool = False
                  ) -> Iterator[tuple[str, torch.Tensor | Int4Groups]]:
     """Every weight under its HF name, dequantized to float32. With `keep_quantized`, linear weights
     (and the lm_head, also when it is tied to the embedding) of a type in gguf_blocks.SUPPORTED
