@@ -25,12 +25,14 @@ def sessions_of(tree) -> dict:
     return out
 
 
-@pytest.mark.parametrize("workload,concurrency", [("agentx", 2), ("random", 1)])
-def test_simulated_prompts_count_the_served_tokens(tmp_path, workload, concurrency):
+# Virtual seconds: agentx's plays are long (15 s holds 2 plays, 24 requests on the H100); random's
+# are one request each (~8 ms on the H100: 0.2 s holds ~25; 15 s held 1,814, tokenized in ~18 s).
+@pytest.mark.parametrize("workload,concurrency,duration", [("agentx", 2, "15"), ("random", 1, "0.2")])
+def test_simulated_prompts_count_the_served_tokens(tmp_path, workload, concurrency, duration):
     out = tmp_path / "sim.json"
     # H100: the CPU's calibration is beside the point here (and may not exist for this machine).
     assert main(["sim", "--hardware", "H100", "--workload", workload, "--concurrency", str(concurrency),
-                 "--duration", "15", "--seed", str(SEED), "--max-model-len", str(MAX_MODEL_LEN),
+                 "--duration", duration, "--seed", str(SEED), "--max-model-len", str(MAX_MODEL_LEN),
                  "--random-input-len", "300", "--random-output-len", "8", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["sim"]["marker_tokenizer"] == "smollm2-135m-instruct"
