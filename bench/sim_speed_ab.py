@@ -23,6 +23,9 @@ SIM = ["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable
        "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--seed", "0"]
 FULL = ["--instances", "3", "--data-parallel-size", "2", "--block-size", "256",
         "--kv-cache-memory", "100", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--scale", "1"]
+PD = ["--block-size", "256", "--kv-cache-memory", "100", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
+      "--scale", "1", "--prefill-data-parallel-size", "2", "--prefill-max-num-batched-tokens", "16384", "--decode", "1",
+      "--router-policy", "least_uncached", "--kv-pool-memory", "2000"]
 # tests/test_sim_speed.py's two runs (their JSON pinned), then full-size kv-routed runs.
 TEST_RUN = ["--block-size", "64", "--kv-cache-memory", "1", "--max-model-len", "32768", "--max-num-batched-tokens",
             "4096", "--scale", "0.05", "--max-num-seqs", "64", "--duration", "5"]
@@ -37,6 +40,11 @@ CONFIGS = {
     "c384-3s": FULL + ["--router-policy", "kv", "--concurrency", "384", "--duration", "3"],
     # The sixth round's routing A/B baseline (490 simulated s): long enough for the ids' cache to fill.
     "c384-90s-least-load": FULL + ["--router-policy", "least_load", "--concurrency", "384", "--duration", "90"],
+    # Twelfth round: the AgentX rack point's P/D shapes with a KV pool, the eighth round's 10-GPU slice
+    # (3 DEP2 prefill + DEP4 decode) and the rack (12 DEP2 prefill + DEP48 decode, 72 GPUs).
+    "pd3-pool-c128-10s": PD + ["--prefill", "3", "--data-parallel-size", "4", "--concurrency", "128", "--duration", "10"],
+    "rack-pool-c256-5s": PD + ["--prefill", "12", "--data-parallel-size", "48", "--concurrency", "256",
+                               "--duration", "5"],
 }
 START = """
 import sys, time

@@ -21,15 +21,16 @@ def test_a_million_block_pool_starts_at_once():
     assert len(pool.blocks.made) == 3 and pool.num_free_blocks == 999_997 and pool.usage() == pytest.approx(3e-6)
 
 
-def test_the_free_queue_order_is_a_fully_built_queues():
+@pytest.mark.parametrize("num_blocks,most", [(40, 4), (300, 40)])   # most: a request's blocks at once
+def test_the_free_queue_order_is_a_fully_built_queues(num_blocks, most):
     rng = random.Random(0)
-    pool = BlockPool(40)
-    queue = OrderedDict((i, None) for i in range(40))       # the eager reference: ids, front first
+    pool = BlockPool(num_blocks)
+    queue = OrderedDict((i, None) for i in range(num_blocks))       # the eager reference: ids, front first
     held: list[int] = []
     for step in range(3000):
         op = rng.random()
         if op < 0.4 and queue:
-            n = rng.randint(1, min(4, len(queue)))
+            n = rng.randint(1, min(most, len(queue)))
             got = [b.block_id for b in pool.get_new_blocks(n)]
             assert got == [queue.popitem(last=False)[0] for _ in range(n)], step
             held += got

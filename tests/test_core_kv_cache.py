@@ -120,3 +120,19 @@ def test_pool_rejects_double_free():
     pool.free_blocks([blk])
     with pytest.raises(AssertionError):
         pool.free_blocks([blk])
+
+
+def test_block_id_view_reads_as_the_table_and_keeps_its_ids_as_it_grows(kv):
+    """What the scheduler tells a connector each step: the ids block_ids lists, read in place."""
+    a = make_request("a", list(range(10)))
+    admit(kv, a)
+    view = kv.block_id_view(a)
+    ids = kv.block_ids(a)
+    assert len(view) == 3 and list(view) == ids and view[1] == ids[1] and view[-1] == ids[-1]
+    assert view[1:] == ids[1:] and view == ids
+    for t in range(6):                            # decoded tokens: the table grows, the ids read before stay
+        a.append_output_token(100 + t)
+    assert kv.allocate_slots(a, 6) is not None
+    assert list(view) == kv.block_ids(a) and list(view)[:3] == ids and len(view) == 4
+    kv.free(a)
+    assert list(kv.block_id_view(a)) == [] and list(view)[:3] == ids

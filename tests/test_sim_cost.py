@@ -401,3 +401,16 @@ def test_the_native_decode_attentions_busiest_thread_sets_the_decodes_pace():
     balanced, prompt = [SeqWork(1, 2047), SeqWork(1, 2047)], [SeqWork(300, 0), SeqWork(200, 100)]
     assert CostModel(spec, split)._attention(balanced).bytes == CostModel(spec, even)._attention(balanced).bytes
     assert CostModel(spec, split)._attention(prompt).bytes == CostModel(spec, even)._attention(prompt).bytes
+
+
+@pytest.mark.parametrize("world", [1, 5, 48, 300])   # 384 experts: 77 a device over 5, 2 over 300 (the last none)
+def test_the_devices_moe_at_once_is_each_devices_own(world):
+    """A wide-EP step prices every device's experts from one pass over the loads: the same
+    OpCost, to the bit, as the device's slice priced alone."""
+    model = CostModel(load_model_spec("deepseek-v4.1-flash"), GB300,
+                      ParallelShape(data_parallel_size=world, enable_expert_parallel=True))
+    loads = model._expert_loads(37 * world)
+    per = -(-len(loads) // world)
+    pairs, active = model._per_device(loads, world, per)
+    for r in range(world):
+        assert model._moe_of(pairs[r], active[r], 1) == model._moe(loads, slice(r * per, (r + 1) * per), 1)

@@ -1,7 +1,9 @@
 """The simulator's speed-ups change no decision: the prompt ids taken from the workload's blocks
 (sim/prompt_ids.py) are exactly the ids the rendered text gives word by word, and a whole
 simulated run through the block path (kv routing, DP, MTP, P/D with a KV pool) produces the
-same requests, the same scheduler and router decisions and the same figures as the text path."""
+same requests, the same scheduler and router decisions and the same figures as the text path;
+the routers' hashes of a session's prompts, each extended from the last (sim/routing.py's
+PromptHashes), are block_hashes' and a run with them is the run without."""
 from __future__ import annotations
 
 import json
@@ -11,9 +13,11 @@ import pytest
 from rackserve.bench.token_text import PromptRenderer, default_vocabulary
 from rackserve.bench.workload import WorkloadOptions, make_workload
 from rackserve.serve.cli import main
-from rackserve.sim import prompt_ids
+from rackserve.core.hashing import block_hashes
+from rackserve.sim import prompt_ids, routing
 from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.prompt_ids import BlockRenderer, Tokens
+from rackserve.sim.routing import PromptHashes
 
 
 def test_block_ids_are_the_text_words_ids():
@@ -44,6 +48,19 @@ def _run(tmp_path, name: str, args: list[str]) -> dict:
     return {k: result[k] for k in ("runs", "workload_stats")}
 
 
+def test_prompt_hashes_are_block_hashes_whatever_the_last_prompt_was():
+    memo = PromptHashes()
+    base = [i % 7 for i in range(40)]
+    prompts = [  # (tokens, key): extends, shrinks, parts mid-way (a compaction), other session, new play
+        (base[:10], (0, 0, "s")), (base, (0, 0, "s")), (base + [9] * 9, (0, 0, "s")), (base[:17], (0, 0, "s")),
+        (base[:9] + [8] * 30, (0, 0, "s")), ([8] + base, (0, 0, "t")), (base + [1] * 4, (0, 0, "s")),
+        (base[:3], (0, 0, "s")), (base, (0, 1, "s")), (base + [2] * 8, (1, 0, "s")), (base, None)]
+    for tokens, key in prompts:
+        for block_size, seed in ((4, 0), (8, 3)):
+            assert memo.of(tokens, block_size, seed, key) == block_hashes(tokens, block_size, seed), (tokens, key)
+    assert list(memo._plays) == [0, 1] and list(memo._plays[0][1]) == [("s", 4, 0), ("s", 8, 3)]   # play 1 only
+
+
 @pytest.mark.parametrize("args", [
     ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv", "--concurrency", "12"],
     ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1", "--data-parallel-size", "2",
@@ -54,3 +71,15 @@ def test_a_run_is_the_same_through_blocks_or_text(tmp_path, monkeypatch, args):
     monkeypatch.setattr(prompt_ids, "BlockRenderer", PromptRenderer)    # the text path, as bench serve renders
     assert _run(tmp_path, "text", args) == fast
     assert all(r["summary"]["completed"] > 0 for r in fast["runs"])
+
+
+@pytest.mark.parametrize("args", [
+    ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv", "--concurrency", "12"],
+    ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1", "--data-parallel-size", "2",
+     "--router-policy", "least_uncached", "--kv-pool-memory", "500", "--concurrency", "8"],
+], ids=["kv-routed-dep2", "pd-kv-pool"])
+def test_a_run_is_the_same_with_or_without_the_prompt_hash_memo(tmp_path, monkeypatch, args):
+    memo = _run(tmp_path, "memo", args)
+    monkeypatch.setattr(routing.PromptHashes, "of", lambda self, tokens, size, seed=0, key=None:
+                        block_hashes(tokens, size, seed))
+    assert _run(tmp_path, "whole", args) == memo

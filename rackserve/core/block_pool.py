@@ -51,9 +51,16 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the front of the free queue, evicting their cached contents."""
         assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        out: list[KVBlock] = []
+        queue = self.free_queue
+        while len(out) < n:
+            fresh = queue.popleft_fresh(n - len(out))   # never used: nothing to evict
+            if fresh:
+                for block in fresh:
+                    block.ref_cnt = 1
+                out += fresh
+                continue
+            block = queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

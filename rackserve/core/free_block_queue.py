@@ -44,6 +44,13 @@ class BlockList(Sequence[KVBlock]):
             made.extend(KVBlock(j) for j in range(len(made), i + 1))
         return made[i]
 
+    def made_range(self, start: int, stop: int) -> list[KVBlock]:
+        """blocks[start:stop], made at once where not made yet."""
+        made = self.made
+        if len(made) < stop:
+            made.extend(map(KVBlock, range(len(made), stop)))
+        return made[start:stop]
+
     def __iter__(self) -> Iterator[KVBlock]:
         if self._num_blocks:
             self[self._num_blocks - 1]
@@ -74,6 +81,15 @@ class FreeBlockQueue:
             self._next_fresh += 1
             return self._blocks[self._next_fresh - 1]
         return self._back.popitem(last=False)[1]
+
+    def popleft_fresh(self, n: int) -> list[KVBlock]:
+        """What n popleft() calls hand out while they hand out never-used blocks (the front empty),
+        at most n: made and taken at once (a long prompt's hundreds of blocks)."""
+        if self._front:
+            return []
+        start = self._next_fresh
+        self._next_fresh = min(start + n, len(self._blocks))
+        return self._blocks.made_range(start, self._next_fresh)
 
     def remove(self, block: KVBlock) -> None:
         # Only blocks that were handed out can be found again (they alone hold hashes).

@@ -8,6 +8,7 @@ This file never imports torch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from rackserve.core.block_pool import BlockPool, KVBlock
@@ -22,6 +23,31 @@ class PrefixHit(NamedTuple):
 
 
 NO_HIT = PrefixHit([], 0)
+
+
+class BlockIdView(Sequence):
+    """A request's block ids read through its block table, without building the list: what a
+    connector is told every step (a table of hundreds of blocks a long request), where a list per
+    scheduled request and step cost more than the rest of the step. The table only grows while
+    the request holds it, so an index read later gives the id it had when the view was made."""
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [b.block_id for b in self._blocks[i]]
+        return self._blocks[i].block_id
+
+    def __eq__(self, other) -> bool:
+        return list(self) == (list(other) if isinstance(other, BlockIdView) else other)
+
+    def __repr__(self) -> str:
+        return f"BlockIdView({list(self)!r})"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -112,6 +138,10 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request.request_id, [])]
+
+    def block_id_view(self, request: Request) -> BlockIdView:
+        """block_ids as a view: no list built (what the scheduler tells a connector each step)."""
+        return BlockIdView(self.req_to_blocks.get(request.request_id, []))
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: ref counts equal the number of requests holding each block."""

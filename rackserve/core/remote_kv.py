@@ -37,6 +37,11 @@ class RemoteKV:
         """What the connector is told a request holds: its table, or one per cache group."""
         return self.kv.transfer_block_ids(request) if self.grouped else self.kv.block_ids(request)
 
+    def scheduled_block_ids(self, request: Request):
+        """connector_block_ids for `request_scheduled`, every step of every scheduled request: a
+        view of the table (KVCacheManager.block_id_view) where there is one table, not a new list."""
+        return self.kv.transfer_block_ids(request) if self.grouped else self.kv.block_id_view(request)
+
     def has_transfers(self) -> bool:
         return bool(self.sending or self.loading)
 

@@ -206,7 +206,7 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
             if self.connector:   # told before it builds this step's orders: a store rides this step
                 request = self.requests[req_id]
-                self.connector.request_scheduled(request, self.remote.connector_block_ids(request))
+                self.connector.request_scheduled(request, self.remote.scheduled_block_ids(request))
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                  total_num_scheduled_tokens=sum(num_scheduled.values()),
                                  finished_req_ids=self._drop_from_workers,

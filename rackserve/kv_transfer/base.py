@@ -19,6 +19,8 @@ from rackserve.config import EngineConfig
 from rackserve.core.stats import KVTransferStats
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from rackserve.core.kv_cache_groups import KVCacheConfig
     from rackserve.core.request import Request
 
@@ -84,9 +86,11 @@ class KVConnectorScheduler(ABC):
         engine takes one more step to deliver them even when no request is left."""
         return False
 
-    def request_scheduled(self, request: "Request", block_ids: list[int]) -> None:
+    def request_scheduled(self, request: "Request", block_ids: "Sequence[int]") -> None:
         """The request was scheduled; its num_computed_tokens already counts this step's tokens,
-        whose KV is in `block_ids` once the step ran (to store it elsewhere)."""
+        whose KV is in `block_ids` once the step ran (to store it elsewhere). `block_ids` is a
+        view of the request's table (core/kv_cache_manager.BlockIdView), or one list per cache
+        group: copy what you keep."""
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         """What the workers reported after a step (before the scheduler acts on it)."""

@@ -137,6 +137,11 @@ class SimInstance:
                                sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)))
 
 
+def _key(record: RequestRecord) -> tuple:
+    """The prompt's session, for the routers' PromptHashes."""
+    return record.lane, record.play, record.session_id
+
+
 class SimClient:
     """bench's ChatClient, on virtual time: `send(messages, record)` and `clock`."""
 
@@ -165,14 +170,15 @@ class SimClient:
             await self._disaggregated(token_ids, record)
         else:
             await self._routed(self.instances, self.router, f"sim-{next(self._ids)}", token_ids,
-                               record.max_tokens, record)
+                               record.max_tokens, record, key=_key(record))
         record.end = self.clock()
         return record
 
     @staticmethod
     async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: list[int],
-                      max_tokens: int, record: RequestRecord, kv_transfer_params: dict | None = None) -> dict | None:
-        route = router.pick(instances, token_ids, req_id)
+                      max_tokens: int, record: RequestRecord, kv_transfer_params: dict | None = None,
+                      key: tuple | None = None) -> dict | None:
+        route = router.pick(instances, token_ids, req_id, key)
         output_tokens = None     # a request that failed teaches the router nothing
         try:
             params = await instances[route.instance].generate(req_id, token_ids, max_tokens, record, route.dp_rank,
@@ -187,10 +193,11 @@ class SimClient:
         req_id = f"sim-{next(self._ids)}"
         prefilled = dataclasses.replace(record, chunk_times=[], first_chunk=None)
         params = await self._routed(self.prefill, self.prefill_router, req_id, token_ids, 1, prefilled,
-                                    {"do_remote_decode": True})
+                                    {"do_remote_decode": True}, _key(record))
         if not prefilled.ok:
             record.error, record.error_message = prefilled.error, prefilled.error_message
             return
-        await self._routed(self.instances, self.router, req_id + "-d", token_ids, record.max_tokens, record, params)
+        await self._routed(self.instances, self.router, req_id + "-d", token_ids, record.max_tokens, record, params,
+                           _key(record))
         # The hit rate is the prefill pool's, where a hit saves compute.
         record.cached_tokens = prefilled.cached_tokens

@@ -187,11 +187,24 @@ class CostModel:
         return self.rng.multinomial(tokens * s.experts_per_token, self.expert_p)
 
     def _moe(self, loads: np.ndarray, experts: slice, tp_split: int) -> OpCost:
-        s = self.spec
         mine = loads[experts]
-        flops = 2 * s.expert_params * int(mine.sum()) * s.num_moe_layers
-        read = s.expert_params * int((mine > 0).sum()) * PRECISION_BYTES[s.expert_precision] * s.num_moe_layers
+        return self._moe_of(int(mine.sum()), int((mine > 0).sum()), tp_split)
+
+    def _moe_of(self, tokens: int, active: int, tp_split: int) -> OpCost:
+        """The MoE class of `tokens` expert-token pairs on `active` experts holding any."""
+        s = self.spec
+        flops = 2 * s.expert_params * tokens * s.num_moe_layers
+        read = s.expert_params * active * PRECISION_BYTES[s.expert_precision] * s.num_moe_layers
         return self._time(OpCost(flops / tp_split, read / tp_split), "moe_flops", s.expert_precision)
+
+    @staticmethod
+    def _per_device(loads: np.ndarray, devices: int, per_device: int) -> tuple[list[int], list[int]]:
+        """Each device's expert-token pairs and experts with any, for `per_device` consecutive
+        experts a device (the last ones may hold fewer): _moe's sums for all devices at once."""
+        padded = np.zeros(devices * per_device, dtype=loads.dtype)
+        padded[:len(loads)] = loads
+        grid = padded.reshape(devices, per_device)
+        return grid.sum(axis=1).tolist(), (grid > 0).sum(axis=1).tolist()
 
     # -- communication ------------------------------------------------------------------------------
     def _link(self, group: int) -> float:
@@ -233,9 +246,9 @@ class CostModel:
             loads = self._expert_loads(sum(tokens))
             per_device = -(-s.num_experts // shape.world_size)
             a2a = self._all_to_all(max(tokens))
+            pairs, active = self._per_device(loads, shape.world_size, per_device)
             for d, rank in enumerate(ranks):
-                devices = [self._moe(loads, slice(r * per_device, (r + 1) * per_device), 1)
-                           for r in range(d * tp, (d + 1) * tp)]
+                devices = [self._moe_of(pairs[r], active[r], 1) for r in range(d * tp, (d + 1) * tp)]
                 rank.moe = max(devices, key=lambda c: c.seconds)
                 rank.comm_seconds += a2a
         elif s.num_experts:

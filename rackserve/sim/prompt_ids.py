@@ -23,8 +23,11 @@ from rackserve.sim.chat_template import TemplateTokens
 
 # Blocks whose ids are kept, least recently used evicted first: 384 full-size AgentX lanes met
 # 1.03M distinct 64-word blocks in 287 simulated seconds, and the prompts of live sessions are
-# encoded again every turn. As 4-byte arrays, 2^21 blocks are at most ~0.9 GB.
-MAX_CACHED_BLOCKS = 1 << 21
+# encoded again every turn. A lane's live session holds ~2,900-4,400 blocks (AgentX's median and
+# mean prompt), so a rack's 768 lanes need ~3.4M kept or every turn draws its prompt again (an
+# LRU cycled by more than it holds keeps nothing). At ~590 bytes a kept block (its 4-byte array, key
+# and entry; measured), 2^22 are at most ~2.5 GB.
+MAX_CACHED_BLOCKS = 1 << 22
 
 
 class BlockText(NamedTuple):
