@@ -132,3 +132,12 @@ def test_registry():
         make_workload("sharegpt", WorkloadOptions())
     with pytest.raises(ValueError, match="exceed"):
         make_workload("random", WorkloadOptions(max_context=512, random_input_len=500))
+
+
+def test_agentx_statistics_are_counted_once_a_config_and_are_the_sessions_own():
+    from rackserve.bench.workload import workload_stats
+    config = AgentXConfig(scale=0.01, seed=11)
+    first = AgentXWorkload(config).describe(max_sessions=20)
+    assert first == workload_stats([AgentXWorkload(config).session(i) for i in range(20)])
+    assert AgentXWorkload(config).describe(max_sessions=20) is first          # another run in this process
+    assert AgentXWorkload(AgentXConfig(scale=0.01, seed=12)).describe(max_sessions=20) != first

@@ -17,13 +17,14 @@ This file owns the generator and its parameters. It must never talk to a server.
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
 
 from rackserve.bench.token_text import BLOCK_SIZE
 from rackserve.bench.workload import (CONTEXT_HEADROOM, Session, SubagentGroup, Turn, Workload, WorkloadOptions,
-                                      register_workload)
+                                      WorkloadStats, register_workload, workload_stats)
 
 # 1/200 fits the 2-core CPU this project is built on: SmolLM2-135M (~200 prefill and ~30 decode
 # tokens/s) serves its median prompt of ~800 tokens, growing ~9 tokens a turn (plus the output),
@@ -110,6 +111,17 @@ class AgentXWorkload(Workload):
         index %= self._sessions
         return _SessionBuilder(self.config, random.Random(f"agentx/{self.config.seed}/{index}"),
                                f"agentx-{index}").build()
+
+    def describe(self, max_sessions: int = 500) -> WorkloadStats:
+        # The sessions are a function of the config: a process that runs several (a sim's sweep,
+        # the tests) builds and counts them once (500 sessions: ~8 s on a Zen 1).
+        return _stats(self.config, min(self._sessions, max_sessions))
+
+
+@functools.lru_cache(maxsize=8)
+def _stats(config: AgentXConfig, sessions: int) -> WorkloadStats:
+    workload = AgentXWorkload(config, sessions)
+    return workload_stats([workload.session(i) for i in range(sessions)])
 
 
 class _SessionBuilder:
