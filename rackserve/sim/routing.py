@@ -154,8 +154,15 @@ def uncached_work(scheduler: Scheduler, hashes: list[int], num_tokens: int) -> i
     return queued + num_tokens - hit
 
 
-def _hashes(scheduler: Scheduler, token_ids: list[int]) -> list[int]:
-    return block_hashes(token_ids, scheduler.block_size, scheduler.kv.hash_seed) if scheduler.kv.enable_caching else []
+def _hashes(scheduler: Scheduler, token_ids: list[int], memo: PromptHashes | None = None,
+            key: tuple | None = None) -> list[int]:
+    """The prompt's block hashes as `scheduler` keys its cache (none without prefix caching),
+    through a router's `memo` where it keeps one."""
+    if not scheduler.kv.enable_caching:
+        return []
+    if memo is None:
+        return block_hashes(token_ids, scheduler.block_size, scheduler.kv.hash_seed)
+    return memo.of(token_ids, scheduler.block_size, scheduler.kv.hash_seed, key)
 
 
 def least_uncached_placement(schedulers: Sequence[Scheduler], request: Request) -> int:
@@ -172,8 +179,7 @@ DP_PLACEMENT_NAMES = ("router", "least_load", "least_uncached")   # router: the 
 class LeastUncached(SimRouter):
     def pick(self, instances: Sequence, token_ids: list[int], req_id: str, key: tuple | None = None) -> Route:
         scheduler = instances[0].core.schedulers[0]
-        hashes = (self.prompt_hashes.of(token_ids, scheduler.block_size, scheduler.kv.hash_seed, key)
-                  if scheduler.kv.enable_caching else [])   # one block size for all
+        hashes = _hashes(scheduler, token_ids, self.prompt_hashes, key)   # one block size for all
         work = [min(uncached_work(s, hashes, len(token_ids)) for s in i.core.schedulers) for i in instances]
         return Route(work.index(min(work)), None, hashes if scheduler.kv.hash_seed == 0 and hashes else None,
                      scheduler.block_size)
