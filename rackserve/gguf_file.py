@@ -26,7 +26,7 @@ _DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 # Tensor types stored as plain numpy items rather than blocks.
-_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": None,
+_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64,
           "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
 
 
