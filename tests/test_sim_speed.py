@@ -61,11 +61,15 @@ def test_prompt_hashes_are_block_hashes_whatever_the_last_prompt_was():
     assert list(memo._plays) == [0, 1] and list(memo._plays[0][1]) == [("s", 4, 0), ("s", 8, 3)]   # play 1 only
 
 
-@pytest.mark.parametrize("args", [
+# A kv-routed DEP2 pair and a P/D pair over a KV pool: the runs whose prompts the routers hash.
+ROUTED_RUNS = pytest.mark.parametrize("args", [
     ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv", "--concurrency", "12"],
     ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1", "--data-parallel-size", "2",
      "--router-policy", "least_uncached", "--kv-pool-memory", "500", "--concurrency", "8"],
 ], ids=["kv-routed-dep2", "pd-kv-pool"])
+
+
+@ROUTED_RUNS
 def test_a_run_is_the_same_through_blocks_or_text(tmp_path, monkeypatch, args):
     fast = _run(tmp_path, "blocks", args)
     monkeypatch.setattr(prompt_ids, "BlockRenderer", PromptRenderer)    # the text path, as bench serve renders
@@ -73,11 +77,7 @@ def test_a_run_is_the_same_through_blocks_or_text(tmp_path, monkeypatch, args):
     assert all(r["summary"]["completed"] > 0 for r in fast["runs"])
 
 
-@pytest.mark.parametrize("args", [
-    ["--instances", "2", "--data-parallel-size", "2", "--router-policy", "kv", "--concurrency", "12"],
-    ["--prefill", "1", "--prefill-data-parallel-size", "2", "--decode", "1", "--data-parallel-size", "2",
-     "--router-policy", "least_uncached", "--kv-pool-memory", "500", "--concurrency", "8"],
-], ids=["kv-routed-dep2", "pd-kv-pool"])
+@ROUTED_RUNS
 def test_a_run_is_the_same_with_or_without_the_prompt_hash_memo(tmp_path, monkeypatch, args):
     memo = _run(tmp_path, "memo", args)
     monkeypatch.setattr(routing.PromptHashes, "of", lambda self, tokens, size, seed=0, key=None:
