@@ -85,10 +85,19 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
-    """transformers' own dequantization and llama.cpp un-permutation of the same file (~20-40 s)."""
+    """transformers' own dequantization and llama.cpp un-permutation of the same file. Two of its
+    costs are lifted while it loads, values unchanged: gguf-py's reader of the file is built once
+    (transformers builds one for the config and another for the tensors: ~7 s each on a Zen 1), and
+    gguf-py's name table for (architecture, layers) once (transformers asks for it per module:
+    ~400 tables). Both are pure functions of their arguments, and transformers only reads them."""
+    import functools
     import os
 
+    import gguf
     import torch
     import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()
