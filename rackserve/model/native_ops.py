@@ -3,7 +3,7 @@ plain-torch form it replaces, which runs wherever the library does not (another 
 a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py,
 and the fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
-attention reading the paged KV cache in place), each a Python dispatch less that a batch-1
+attention reading the paged KV cache, float32 or float16, in place), each a Python dispatch less that a batch-1
 decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the
 CPU's widest, native.choose_isa), one per process as torch's thread count is. This file must never
 decide what a layer computes: both forms give the same values up to float rounding.
@@ -28,6 +28,7 @@ _SIGNATURES = {
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_paged_decode_attention_f16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
 
@@ -140,20 +141,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+# The KV cache dtypes decode attention reads natively, and the entry point for each.
+_DECODE_CACHE_DTYPES = {torch.float32: "rs_paged_decode_attention", torch.float16: "rs_paged_decode_attention_f16"}
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
-    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. None
-    where the native library cannot (the caller gathers and runs SDPA)."""
+    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. The
+    caches are float32 or float16 (read as IEEE half, widened to float32 at each load); q is
+    float32. None where the native library cannot (the caller gathers and runs SDPA)."""
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-             and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous())
-    lib = _native(q, k_cache, v_cache) if plain else None
-    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+             and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+             and k_cache.dtype == v_cache.dtype and k_cache.dtype in _DECODE_CACHE_DTYPES)
+    lib = _native(q) if plain else None
+    if (lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
         return None
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = q.new_empty(rows, heads * head_dim)
-    lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+    getattr(lib, _DECODE_CACHE_DTYPES[k_cache.dtype])(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim,
                                   block_size, scale, out.data_ptr(), torch.get_num_threads())
     return out

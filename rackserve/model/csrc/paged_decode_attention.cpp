@@ -7,6 +7,9 @@
 // the parts are merged), so a lone decode at thousands of tokens uses every core. Scores are
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
+// The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
+// one template over both: a half cache is widened 16 (AVX-512) or 8 (AVX2) values at a load by
+// F16C, so a step reads half the bytes, and the query, the output and the arithmetic stay float32.
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -20,6 +23,11 @@
 #include "vec_exp.h"
 
 namespace {
+
+// A float16 cache element, as its bits (F16C converts it; the float32 one is used as it is).
+using half = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(half x) { return _cvtsh_ss(x); }
 
 // exp(x - mx) over a row of scores in place, 16 at a time (vec_exp.h: arithmetic the build
 // vectorises for its ISA; std::exp is a scalar libm call of ~20 ns, which was most of this kernel's
@@ -55,6 +63,7 @@ constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -80,6 +89,7 @@ constexpr int64_t kKeys = 8;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -101,8 +111,8 @@ inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels 
 // vectors, as a plain loop over the head would, but the kKeys keys' sums advance together, vector
 // by vector. Key by key, each sum was one chain of M dependent FMAs (8 on AVX2 at head_dim 64,
 // ~4 cycles each) that the next key's chain could only partly overlap.
-template <int M>
-int64_t score_keys_vec(const float* q, const float* k, int64_t n, int64_t token_stride, float* s) {
+template <int M, typename T>
+int64_t score_keys_vec(const float* q, const T* k, int64_t n, int64_t token_stride, float* s) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   int64_t j = 0;
   for (; j + kKeys <= n; j += kKeys) {
@@ -119,7 +129,8 @@ int64_t score_keys_vec(const float* q, const float* k, int64_t n, int64_t token_
 #endif
 
 // q . k for n keys token_stride apart, into s[0..n).
-void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
+template <typename T>
+void score_keys(const float* q, const T* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
   int64_t j = 0;
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
@@ -135,7 +146,7 @@ void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int
         for (; j + kKeys <= n; j += kKeys) {
           Vec acc[kKeys];
           for (int64_t t = 0; t < kKeys; ++t) {
-            const float* kt = k + (j + t) * token_stride;
+            const T* kt = k + (j + t) * token_stride;
             Vec a = vzero();
             for (int64_t i = 0; i < head_dim; i += lanes) a = vfma(vload(q + i), vload(kt + i), a);
             acc[t] = a;
@@ -146,10 +157,10 @@ void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int
   }
 #endif
   for (; j < n; ++j) {
-    const float* kt = k + j * token_stride;
+    const T* kt = k + j * token_stride;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * kt[i];
+    for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * to_float(kt[i]);
     s[j] = sum;
   }
 }
@@ -157,8 +168,8 @@ void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int
 #ifdef RS_VECTOR_KEYS
 // acc[0..M vectors) += sum over j < n of p[j] v_j, values token_stride apart, kept in registers
 // (M is a constant so that they are): not a load and a store of acc per value.
-template <int M>
-void add_values_vec(const float* p, const float* v, int64_t n, int64_t token_stride, float* acc) {
+template <int M, typename T>
+void add_values_vec(const float* p, const T* v, int64_t n, int64_t token_stride, float* acc) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   Vec a[M];
   for (int c = 0; c < M; ++c) a[c] = vload(acc + c * lanes);
@@ -171,7 +182,8 @@ void add_values_vec(const float* p, const float* v, int64_t n, int64_t token_str
 #endif
 
 // acc[0..head_dim) += sum over j < n of p[j] v_j, values token_stride apart.
-void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
+template <typename T>
+void add_values(const float* p, const T* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   if (head_dim % lanes == 0) {
@@ -186,7 +198,7 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
 #endif
   for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) acc[i] += p[j] * v[j * token_stride + i];
+    for (int64_t i = 0; i < head_dim; ++i) acc[i] += p[j] * to_float(v[j * token_stride + i]);
   }
 }
 
@@ -195,12 +207,13 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
 // each block's end. The AVX2 build only (on a Zen 3 it took a lone decode's attention at 256 tokens
 // from 56 to 43 us a layer, bench/results/decode-attention-ab-prefetch-s9z.json); the AVX-512
 // build was not measured with it.
-inline void prefetch_next_block(const float* cache, const int64_t* table, int64_t t0, int64_t t_end,
+template <typename T>
+inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0, int64_t t_end,
                                 int64_t block_size, int64_t token_stride) {
   const int64_t next = t0 + block_size;
   if (kAvx512 || next >= t_end) return;
   const char* p = reinterpret_cast<const char*>(cache + table[next / block_size] * block_size * token_stride);
-  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
@@ -211,7 +224,8 @@ inline void prefetch_next_block(const float* cache, const int64_t* table, int64_
 // Writes, per query head, the scores' max m, the sum l of exp(score - m) and acc = sum
 // exp(score - m) v, unnormalised: part[h * (head_dim + 2) ...] = acc[head_dim], m, l.
 // scores: scratch of heads * (t_end - t_begin).
-void attend_part(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t t_begin,
+template <typename T>
+void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t_begin,
                  int64_t t_end, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                  float* scores, float* part) {
   // Denormals flushed to zero while this thread runs it (and the caller's mode restored): a
@@ -224,7 +238,7 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   // Block by block: the slot of token t is found once per block, not by a division per token.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const float* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
+    const T* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
     for (int64_t h = 0; h < heads; ++h)
       score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
@@ -242,7 +256,7 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
+    const T* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
     for (int64_t h = 0; h < heads; ++h)
       add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
@@ -255,17 +269,15 @@ struct Part {
   int64_t row, t_begin, t_end;
 };
 
-}  // namespace
-
 // out [rows, heads * head_dim]: row r's query (q + r * q_stride, heads of head_dim) against its
 // first lens[r] tokens, found through tables[r * width ...]. Work is split into parts (a row's
 // context cut into runs of whole blocks) over `threads` threads; a short context stays in one
 // part and a small step on the calling thread: a parallel region costs more than the few
 // microseconds of work it would share.
-extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                                         const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
-                                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                         float scale, float* out, int threads) {
+template <typename T>
+int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
+                           int64_t width, const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   // Below kMinPartTokens a part's fixed costs (merge, scratch) dominate; a step needs
   // kMinParallelKeys keys x KV heads before it uses the threads. The AVX2 build splits sooner: on a
   // Zen 3 one thread reads a lone decode's 257-token K/V at a third of what a core reads, and two
@@ -323,4 +335,25 @@ extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const
     }
   }
   return 0;
+}
+
+}  // namespace
+
+// The float32 cache's entry point and the float16 one's (k_cache, v_cache: IEEE half bits); the
+// arguments are paged_decode_attention's above.
+extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                                         const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
+                                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                         float scale, float* out, int threads) {
+  return paged_decode_attention(q, q_stride, k_cache, v_cache, tables, width, lens, rows, heads, kv_heads, head_dim,
+                                block_size, scale, out, threads);
+}
+
+extern "C" int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, const uint16_t* k_cache,
+                                             const uint16_t* v_cache, const int64_t* tables, int64_t width,
+                                             const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                             int64_t head_dim, int64_t block_size, float scale, float* out,
+                                             int threads) {
+  return paged_decode_attention(q, q_stride, k_cache, v_cache, tables, width, lens, rows, heads, kv_heads, head_dim,
+                                block_size, scale, out, threads);
 }
