@@ -7,9 +7,9 @@ weights and their GEMV, and KV cache), so a step only passes its own tensors: th
 cos/sin, the slot mapping and the attention metadata's block tables and lengths. It runs where
 every op of the layer has a native form: float32 on CPU (the KV cache float32 or float16),
 weights kept packed by a native GEMV kernel (quant/vnni_linear.py), no biases, no tensor
-parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and everything else (prefill chunks, mixed steps,
-other models, dtypes and devices, torch.compile) runs the modules, which compute the same values
-(tests/test_native_decode.py). This file must never change what a layer computes.
+parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
+everything else (prefill chunks, mixed steps, other models, dtypes and devices, torch.compile) runs
+the modules, which compute the same values (tests/test_native_decode.py). This file must never change what a layer computes.
 """
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def native_decoder(model: nn.Module) -> NativeDecoder | None:
         logger.info("native decode step off: %s", why_not)
         return None
     decoder = NativeDecoder(model)
+    half = decoder.kv_dtype == torch.float16
     logger.info("native decode step on: a step of decodes runs every layer in one native call (KV cache %s%s)",
                 str(decoder.kv_dtype).removeprefix("torch."),
-                ", written rounded to nearest even, read widened to float32" if decoder.kv_dtype == torch.float16 else "")
+                ", written rounded to nearest even, read widened to float32" if half else "")
     return decoder

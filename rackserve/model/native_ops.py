@@ -161,7 +161,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = q.new_empty(rows, heads * head_dim)
-    getattr(lib, _DECODE_CACHE_DTYPES[k_cache.dtype])(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                  tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim,
-                                  block_size, scale, out.data_ptr(), torch.get_num_threads())
+    attend = getattr(lib, _DECODE_CACHE_DTYPES[k_cache.dtype])
+    attend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[0] // rows,
+           lens.data_ptr(), rows, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
     return out

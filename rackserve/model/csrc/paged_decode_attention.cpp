@@ -8,8 +8,9 @@
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
 // The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
-// one template over both: a half cache is widened 16 (AVX-512) or 8 (AVX2) values at a load by
-// F16C, so a step reads half the bytes, and the query, the output and the arithmetic stay float32.
+// one template over both: a half cache's block is widened by F16C, 16 (AVX-512) or 8 (AVX2) values
+// at a time, into a float32 block the same loops read, so a step reads half the bytes from memory,
+// and the query, the output and the arithmetic stay float32.
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -111,8 +112,8 @@ inline void store_sums(const Vec* x, float* out) {     // as above, in 3 levels 
 // vectors, as a plain loop over the head would, but the kKeys keys' sums advance together, vector
 // by vector. Key by key, each sum was one chain of M dependent FMAs (8 on AVX2 at head_dim 64,
 // ~4 cycles each) that the next key's chain could only partly overlap.
-template <int M, typename T>
-int64_t score_keys_vec(const float* q, const T* k, int64_t n, int64_t token_stride, float* s) {
+template <int M>
+int64_t score_keys_vec(const float* q, const float* k, int64_t n, int64_t token_stride, float* s) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   int64_t j = 0;
   for (; j + kKeys <= n; j += kKeys) {
@@ -129,8 +130,7 @@ int64_t score_keys_vec(const float* q, const T* k, int64_t n, int64_t token_stri
 #endif
 
 // q . k for n keys token_stride apart, into s[0..n).
-template <typename T>
-void score_keys(const float* q, const T* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
+void score_keys(const float* q, const float* k, int64_t n, int64_t head_dim, int64_t token_stride, float* s) {
   int64_t j = 0;
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
@@ -146,7 +146,7 @@ void score_keys(const float* q, const T* k, int64_t n, int64_t head_dim, int64_t
         for (; j + kKeys <= n; j += kKeys) {
           Vec acc[kKeys];
           for (int64_t t = 0; t < kKeys; ++t) {
-            const T* kt = k + (j + t) * token_stride;
+            const float* kt = k + (j + t) * token_stride;
             Vec a = vzero();
             for (int64_t i = 0; i < head_dim; i += lanes) a = vfma(vload(q + i), vload(kt + i), a);
             acc[t] = a;
@@ -157,10 +157,10 @@ void score_keys(const float* q, const T* k, int64_t n, int64_t head_dim, int64_t
   }
 #endif
   for (; j < n; ++j) {
-    const T* kt = k + j * token_stride;
+    const float* kt = k + j * token_stride;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * to_float(kt[i]);
+    for (int64_t i = 0; i < head_dim; ++i) sum += q[i] * kt[i];
     s[j] = sum;
   }
 }
@@ -168,8 +168,8 @@ void score_keys(const float* q, const T* k, int64_t n, int64_t head_dim, int64_t
 #ifdef RS_VECTOR_KEYS
 // acc[0..M vectors) += sum over j < n of p[j] v_j, values token_stride apart, kept in registers
 // (M is a constant so that they are): not a load and a store of acc per value.
-template <int M, typename T>
-void add_values_vec(const float* p, const T* v, int64_t n, int64_t token_stride, float* acc) {
+template <int M>
+void add_values_vec(const float* p, const float* v, int64_t n, int64_t token_stride, float* acc) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   Vec a[M];
   for (int c = 0; c < M; ++c) a[c] = vload(acc + c * lanes);
@@ -182,8 +182,7 @@ void add_values_vec(const float* p, const T* v, int64_t n, int64_t token_stride,
 #endif
 
 // acc[0..head_dim) += sum over j < n of p[j] v_j, values token_stride apart.
-template <typename T>
-void add_values(const float* p, const T* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
+void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int64_t token_stride, float* acc) {
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
   if (head_dim % lanes == 0) {
@@ -198,8 +197,24 @@ void add_values(const float* p, const T* v, int64_t n, int64_t head_dim, int64_t
 #endif
   for (int64_t j = 0; j < n; ++j) {
 #pragma omp simd
-    for (int64_t i = 0; i < head_dim; ++i) acc[i] += p[j] * to_float(v[j * token_stride + i]);
+    for (int64_t i = 0; i < head_dim; ++i) acc[i] += p[j] * v[j * token_stride + i];
   }
+}
+
+// A block's first `count` cache elements as float32: a float32 block as it is; a float16 one
+// widened once into `wide` (a block's floats, L1-resident), so that a KV head's query heads (GQA)
+// share each conversion and the float32 loops above read it. Converting at every load instead
+// took a lone decode at 384 tokens 1.85x the float32 cache's time on a Zen 1 with the bytes
+// cached: F16C's conversion is slower there than the FMA it feeds, and ran once per query head.
+inline const float* widen_block(const float* b, int64_t, float*) { return b; }
+inline const float* widen_block(const half* b, int64_t count, float* wide) {
+  int64_t i = 0;
+#ifdef RS_VECTOR_KEYS
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  for (; i + lanes <= count; i += lanes) vstore(wide + i, vload(b + i));
+#endif
+  for (; i < count; ++i) wide[i] = to_float(b[i]);
+  return wide;
 }
 
 // Asks for the next block's bytes of a part (when it has one), a line at a time, while this block
@@ -223,11 +238,12 @@ inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0
 // one head's 256 bytes of each 768 would have the prefetcher bring in the rest for nothing.
 // Writes, per query head, the scores' max m, the sum l of exp(score - m) and acc = sum
 // exp(score - m) v, unnormalised: part[h * (head_dim + 2) ...] = acc[head_dim], m, l.
-// scores: scratch of heads * (t_end - t_begin).
+// scores: scratch of heads * (t_end - t_begin); wide: of block_size * kv_heads * head_dim (a float16
+// cache's block widened, widen_block).
 template <typename T>
 void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t_begin,
                  int64_t t_end, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                 float* scores, float* part) {
+                 float* scores, float* wide, float* part) {
   // Denormals flushed to zero while this thread runs it (and the caller's mode restored): a
   // peaked softmax leaves many weights below 1e-38, and each exp, product and sum on a denormal
   // takes a microcode assist (2x the kernel's time on a peaked softmax over 750 tokens). They add
@@ -238,8 +254,8 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
   // Block by block: the slot of token t is found once per block, not by a division per token.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const T* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
+    const float* kb = widen_block(k_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
     for (int64_t h = 0; h < heads; ++h)
       score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
   }
@@ -256,8 +272,8 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const T* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
+    const float* vb = widen_block(v_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
     for (int64_t h = 0; h < heads; ++h)
       add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
                  part + h * (head_dim + 2));
@@ -306,11 +322,13 @@ int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, c
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t i = 0; i < count; ++i) {
     const Part& p = parts[i];
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, wide;
     const int64_t need = heads * (p.t_end - p.t_begin);
+    const int64_t block = sizeof(T) < sizeof(float) ? block_size * kv_heads * head_dim : 0;
     if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
+    if (static_cast<int64_t>(wide.size()) < block) wide.resize(block);
     attend_part(q + p.row * q_stride, k_cache, v_cache, tables + p.row * width, p.t_begin, p.t_end, heads, kv_heads,
-                head_dim, block_size, scale, scores.data(), results.data() + i * heads * stride);
+                head_dim, block_size, scale, scores.data(), wide.data(), results.data() + i * heads * stride);
   }
   // Merge each row's parts per query head: rescale every part's sum and accumulator to the
   // largest max, then divide once.
