@@ -65,3 +65,17 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_head
         for threads in (1, 2, 5):
             out = _attend(lib, q[rows].contiguous(), k_cache, v_cache, *sub, hd ** -0.5, threads)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_the_startup_banner_says_what_reads_a_16_bit_cache(tiny_llama_dir):
+    from rackserve.config import EngineArgs
+    from rackserve.model.native import choose_isa
+    from rackserve.serve.launch import kv_cache_line
+
+    def line(kv_dtype):
+        return kv_cache_line(EngineArgs(model=tiny_llama_dir, device="cpu", dtype="float32",
+                                        kv_cache_dtype=kv_dtype).create_engine_config())
+    assert line("auto") == line("float32") == ""
+    assert "gathers it and runs SDPA" in line("bfloat16")
+    native = choose_isa().isa != "none"
+    assert ("native attention kernels read it" if native else "gathers it") in line("float16")
