@@ -242,7 +242,8 @@ class EngineArgs:
     kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
     kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: the model's. bfloat16 or float16 under "
                                "float32 weights hold twice the tokens and halve what decode attention "
-                               "reads, at 16-bit precision of K and V",
+                               "reads, at 16-bit precision of K and V; on CPU float16 keeps the native "
+                               "attention kernels, bfloat16 takes the torch path",
                                choices=["auto", "float32", "bfloat16", "float16"])
     num_gpu_blocks_override: int | None = _opt(None, "exact number of KV blocks (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")

@@ -140,3 +140,36 @@ def test_bfloat16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_tokens_in_top
             continue
         assert ta[diverged] in b.outputs[0].logprobs[diverged] and tb[diverged] in a.outputs[0].logprobs[diverged]
     assert identical >= len(prompts) // 2
+
+
+def test_float16_kv_cache_decodes_natively_with_the_greedy_tokens_of_the_sdpa_path(tiny_llama_dir, monkeypatch):
+    # --kv-cache-dtype float16 under float32 weights: decode attention reads the half cache in place
+    # (native_ops.paged_decode_attention, widening each load); without it the torch path gathers
+    # the blocks and runs SDPA over them. Both attend over the same rounded K and V.
+    from rackserve.model import native_ops
+    from rackserve.model.native import choose_isa
+    if choose_isa().isa == "none":
+        pytest.skip("no native library runs here")
+    prompts = prompts_for(transformers.AutoConfig.from_pretrained(tiny_llama_dir).vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    native_calls, real = [], native_ops.paged_decode_attention
+
+    def counted(*args):
+        out = real(*args)
+        native_calls.append(out is not None)
+        return out
+    runs = {}
+    for native in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(native_ops, "paged_decode_attention", counted if native else lambda *args: None)
+            with LLM(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=0.01,
+                     max_num_batched_tokens=64, kv_cache_dtype="float16") as llm:
+                runs[native] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert native_calls and all(native_calls), "every decode step's attention ran natively"
+    for ours, sdpa in zip(runs[True], runs[False]):
+        assert ours.outputs[0].token_ids == sdpa.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, sdpa.outputs[0].logprobs):
+            # SDPA narrows the query to float16 and computes in it (torch_attention._decode; up to
+            # 3.6e-3 apart here); ours keeps it float32 (test_native_decode_attention.py pins the
+            # kernel to a float64 reference).
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-2 for t in a)

@@ -41,7 +41,7 @@ def tiny_gguf(tmp_path_factory) -> tuple[str, object]:
     return write_gguf(hf, str(root / "tiny.gguf"), "llama", [Q.Q4_1]), hf
 
 
-def _generate(path: str, native: bool, monkeypatch, isa: str) -> tuple[list, int]:
+def _generate(path: str, native: bool, monkeypatch, isa: str, kv_cache_dtype: str = "auto") -> tuple[list, int]:
     """Token ids and logprobs of PROMPTS, and how many steps ran natively."""
     steps = []
     forward = native_decode.NativeDecoder.forward
@@ -55,7 +55,7 @@ def _generate(path: str, native: bool, monkeypatch, isa: str) -> tuple[list, int
         if not native:
             m.setattr(model_runner, "native_decoder", lambda model: None)
         with LLM(path, device="cpu", dtype="float32", num_gpu_blocks_override=32, block_size=4, max_model_len=64,
-                 skip_tokenizer_init=True, quantization="gguf", native_isa=isa) as llm:
+                 skip_tokenizer_init=True, quantization="gguf", native_isa=isa, kv_cache_dtype=kv_cache_dtype) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
             llm.engine.core.scheduler.check_integrity()
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(steps)
@@ -82,6 +82,23 @@ def test_native_decode_steps_match_the_module_path_and_transformers(tiny_gguf, m
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=params.max_tokens, eos_token_id=None)
             assert tokens == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def test_a_float16_kv_cache_decodes_natively_as_the_module_path(tiny_gguf, monkeypatch, isa):
+    # The loop writes K/V rounded to nearest even (F16C) where the modules write k.to(float16),
+    # and both read them with the float16 kernel: the same cache bits, so the same tokens and
+    # logprobs up to the float32 rounding of the float32-cache test above.
+    path, _ = tiny_gguf
+    ours, native_steps = _generate(path, True, monkeypatch, isa, "float16")
+    ref, none = _generate(path, False, monkeypatch, isa, "float16")
+    assert none == 0 and native_steps == max(p.max_tokens for p in PARAMS) - 1, "every decode step ran natively"
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs):
+            assert step.keys() == ref_step.keys()
+            assert all(abs(lp.logprob - ref_step[token].logprob) < 1e-4 for token, lp in step.items())
 
 
 def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, tiny_qwen2_dir):

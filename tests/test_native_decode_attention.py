@@ -1,7 +1,9 @@
 """Paged decode attention of the native library (csrc/paged_decode_attention.cpp) at long contexts,
 against softmax(q k^T) v in torch on the tokens gathered by hand: a context split over threads
 into parts of whole blocks and merged, keys scored a vector's width at a time, the ragged last
-block and head sizes the vector path does not take. Runs on both builds (avx512, avx2).
+block and head sizes the vector path does not take; over a float32 cache and a float16 one (its
+own entry point, which widens each load), the reference computed in float64 from the very values
+the cache holds. Runs on both builds (avx512, avx2).
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ def _attend(lib, q, k_cache, v_cache, tables, lens, scale, threads):
     rows, heads, hd = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty(rows, heads * hd)
-    table = torch.tensor(sum(tables, []))
-    assert lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                         table.data_ptr(), len(tables[0]), torch.tensor(lens).data_ptr(), rows, heads,
+    table, lens = torch.tensor(sum(tables, [])), torch.tensor(lens)      # alive through the call
+    fn = {torch.float32: lib.rs_paged_decode_attention, torch.float16: lib.rs_paged_decode_attention_f16}[k_cache.dtype]
+    assert fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         table.data_ptr(), len(tables[0]), lens.data_ptr(), rows, heads,
                                          kv_heads, hd, bs, scale, out.data_ptr(), threads) == 0
     return out
 
@@ -40,14 +43,18 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("hd", [64, 24])        # 24: the plain loop on avx512, the vector path on avx2
-def test_a_long_context_split_over_threads_matches_torch(lib, hd):
-    # SmolLM2's GQA (9 query heads on 3 KV heads), blocks of 16 in shuffled order. Row 0: 3001
-    # tokens (each thread's parts span many blocks; the last block holds 9 tokens); row 1: 5
-    # tokens (fewer than a vector's keys); row 2: 700 (two parts a head at 2 threads when alone).
-    heads, kv_heads, bs = 9, 3, 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
+# 24: the plain loop on avx512, the vector path on avx2; 20: the plain loop on both.
+@pytest.mark.parametrize("hd", [64, 128, 24, 20])
+def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_heads, dtype):
+    # SmolLM2's GQA (9 query heads on 3 KV heads) and others, blocks of 16 in shuffled order. Row
+    # 0: 3001 tokens (each thread's parts span many blocks; the last block holds 9 tokens); row 1:
+    # 5 tokens (fewer than a vector's keys); row 2: 700 (two parts a head at 2 threads when alone).
+    bs = 16
     g = torch.Generator().manual_seed(12)
-    k_cache, v_cache = torch.randn(240, bs, kv_heads, hd, generator=g), torch.randn(240, bs, kv_heads, hd, generator=g)
+    k_cache = torch.randn(240, bs, kv_heads, hd, generator=g).to(dtype)
+    v_cache = torch.randn(240, bs, kv_heads, hd, generator=g).to(dtype)
     order = torch.randperm(240, generator=g).tolist()
     tables = [order[:188], order[188:189] + [0] * 187, order[189:233] + [0] * 144]
     lens = [3001, 5, 700]
@@ -58,3 +65,17 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd):
         for threads in (1, 2, 5):
             out = _attend(lib, q[rows].contiguous(), k_cache, v_cache, *sub, hd ** -0.5, threads)
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_the_startup_banner_says_what_reads_a_16_bit_cache(tiny_llama_dir):
+    from rackserve.config import EngineArgs
+    from rackserve.model.native import choose_isa
+    from rackserve.serve.launch import kv_cache_line
+
+    def line(kv_dtype):
+        return kv_cache_line(EngineArgs(model=tiny_llama_dir, device="cpu", dtype="float32",
+                                        kv_cache_dtype=kv_dtype).create_engine_config())
+    assert line("auto") == line("float32") == ""
+    assert "gathers it and runs SDPA" in line("bfloat16")
+    native = choose_isa().isa != "none"
+    assert ("native attention kernels read it" if native else "gathers it") in line("float16")

@@ -5,11 +5,11 @@ query (a batch of decodes) runs all the layers in one call of the native library
 `NativeDecoder` lays out, once per model, the pointers that call needs (each layer's norms, packed
 weights and their GEMV, and KV cache), so a step only passes its own tensors: the embedded tokens,
 cos/sin, the slot mapping and the attention metadata's block tables and lengths. It runs where
-every op of the layer has a native form: float32 on CPU, weights kept packed by a native GEMV
-kernel (quant/vnni_linear.py), no biases, no tensor parallelism, the "torch" attention backend's
-metadata; `supports` says why not elsewhere, and everything else (prefill chunks, mixed steps,
-other models, dtypes and devices, torch.compile) runs the modules, which compute the same values
-(tests/test_native_decode.py). This file must never change what a layer computes.
+every op of the layer has a native form: float32 on CPU (the KV cache float32 or float16),
+weights kept packed by a native GEMV kernel (quant/vnni_linear.py), no biases, no tensor
+parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
+everything else (prefill chunks, mixed steps, other models, dtypes and devices, torch.compile) runs
+the modules, which compute the same values (tests/test_native_decode.py). This file must never change what a layer computes.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class _Layer(ctypes.Structure):
 
 class _Decoder(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                          "block_size", "wide")]
+                                          "block_size", "wide", "kv_half")]
     _fields_ += [("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P)]
 
 
@@ -70,11 +70,14 @@ def supports(model: nn.Module) -> str | None:
         return "no KV cache is bound"
     if type(attn.attn.impl) is not TorchAttentionBackend or body.rotary_emb.cos.shape[-1] != attn.head_dim:
         return "it needs the torch attention backend and RoPE over whole heads"
-    tensors = [t for l in body.layers for t in (l.input_layernorm.weight, l.post_attention_layernorm.weight,
-                                                *l.self_attn.attn.kv_cache)]
+    tensors = [t for l in body.layers for t in (l.input_layernorm.weight, l.post_attention_layernorm.weight)]
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                for t in [*tensors, body.norm.weight, body.embed_tokens.weight, body.rotary_emb.cos]):
-        return "its weights and KV cache are not float32 CPU tensors"
+        return "its weights are not float32 CPU tensors"
+    caches = [t for l in body.layers for t in l.self_attn.attn.kv_cache]
+    if not all(t.dtype == caches[0].dtype and t.device.type == "cpu" and t.is_contiguous() for t in caches) \
+            or caches[0].dtype not in (torch.float32, torch.float16):
+        return "its KV cache is not float32 or float16 CPU tensors of one dtype"
     return None
 
 
@@ -98,8 +101,10 @@ class NativeDecoder:
         self._layers = (_Layer * len(layers))(*layers)
         inter, hidden = body.layers[0].mlp.down_proj.input_size, body.norm.weight.shape[0]
         wide = max(2 * inter, *(l.qkv.width for l in layers))
+        self.kv_dtype = attn.attn.kv_cache[0].dtype
         self.decoder = _Decoder(len(layers), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
-                                attn.attn.kv_cache[0].shape[1], wide, body.layers[0].input_layernorm.eps,
+                                attn.attn.kv_cache[0].shape[1], wide, int(self.kv_dtype == torch.float16),
+                                body.layers[0].input_layernorm.eps,
                                 attn.attn.impl.scale, self._layers, body.norm.weight.data_ptr())
         self.scratch_per_row = 2 * hidden + wide + attn.num_heads * attn.head_dim + inter
         self.lib = native_ops.library()
@@ -138,5 +143,9 @@ def native_decoder(model: nn.Module) -> NativeDecoder | None:
     if why_not is not None:
         logger.info("native decode step off: %s", why_not)
         return None
-    logger.info("native decode step on: a step of decodes runs every layer in one native call")
-    return NativeDecoder(model)
+    decoder = NativeDecoder(model)
+    half = decoder.kv_dtype == torch.float16
+    logger.info("native decode step on: a step of decodes runs every layer in one native call (KV cache %s%s)",
+                str(decoder.kv_dtype).removeprefix("torch."),
+                ", written rounded to nearest even, read widened to float32" if half else "")
+    return decoder

@@ -3,7 +3,7 @@ plain-torch form it replaces, which runs wherever the library does not (another 
 a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py,
 and the fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
-attention reading the paged KV cache in place), each a Python dispatch less that a batch-1
+attention reading the paged KV cache, float32 or float16, in place), each a Python dispatch less that a batch-1
 decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the
 CPU's widest, native.choose_isa), one per process as torch's thread count is. This file must never
 decide what a layer computes: both forms give the same values up to float rounding.
@@ -24,10 +24,12 @@ _SIGNATURES = {
     "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
     "rs_avx2_set_many_rows": [_I64],                                # its few/many-rows crossover (tests)
     "rs_prefill_attention": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_prefill_attention_f16": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_paged_decode_attention_f16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
 
@@ -119,41 +121,53 @@ def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, si
     return True
 
 
+# The KV cache dtypes each attention reads natively, and its entry point for each.
+_PREFILL_CACHE_DTYPES = {torch.float32: "rs_prefill_attention", torch.float16: "rs_prefill_attention_f16"}
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       ctx: int, scale: float) -> torch.Tensor | None:
     """One request's chunk of queries (q [n, heads, head_dim], positions ctx .. ctx + n - 1) against
     its paged cache, which already holds the chunk's own K and V, causally; [n, heads * head_dim].
-    `table`: the request's block ids (int64) covering ctx + n tokens. None where the native
-    library cannot (the caller runs its torch form)."""
+    `table`: the request's block ids (int64) covering ctx + n tokens. The caches are float32 or
+    float16, q float32. None where the native library cannot (the caller runs its torch form)."""
     n, heads, head_dim = q.shape
     plain = (q.stride(2) == 1 and q.stride(1) == head_dim and head_dim % 16 == 0 and head_dim <= 256
-             and table.dtype == torch.int64 and table.is_contiguous() and k_cache.dim() == 4)
-    lib = _native(q, k_cache, v_cache) if plain else None
-    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+             and table.dtype == torch.int64 and table.is_contiguous() and k_cache.dim() == 4
+             and k_cache.dtype == v_cache.dtype and k_cache.dtype in _PREFILL_CACHE_DTYPES)
+    lib = _native(q) if plain else None
+    if (lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
         return None
     _, block_size, kv_heads, _ = k_cache.shape
     out = q.new_empty(n, heads * head_dim)
-    rc = lib.rs_prefill_attention(q.data_ptr(), q.stride(0), n, ctx, k_cache.data_ptr(), v_cache.data_ptr(),
-                                  table.data_ptr(), heads, kv_heads, head_dim, block_size, scale, out.data_ptr(),
-                                  torch.get_num_threads())
+    attend = getattr(lib, _PREFILL_CACHE_DTYPES[k_cache.dtype])
+    rc = attend(q.data_ptr(), q.stride(0), n, ctx, k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), heads,
+                kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
     assert rc == 0, "rs_prefill_attention refused its arguments"
     return out
+
+
+_DECODE_CACHE_DTYPES = {torch.float32: "rs_paged_decode_attention", torch.float16: "rs_paged_decode_attention_f16"}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
-    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. None
-    where the native library cannot (the caller gathers and runs SDPA)."""
+    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. The
+    caches are float32 or float16 (read as IEEE half, widened to float32 at each load); q is
+    float32. None where the native library cannot (the caller gathers and runs SDPA)."""
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-             and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous())
-    lib = _native(q, k_cache, v_cache) if plain else None
-    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+             and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
+             and k_cache.dtype == v_cache.dtype and k_cache.dtype in _DECODE_CACHE_DTYPES)
+    lib = _native(q) if plain else None
+    if (lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
         return None
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = q.new_empty(rows, heads * head_dim)
-    lib.rs_paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                  tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim,
-                                  block_size, scale, out.data_ptr(), torch.get_num_threads())
+    attend = getattr(lib, _DECODE_CACHE_DTYPES[k_cache.dtype])
+    attend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[0] // rows,
+           lens.data_ptr(), rows, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
     return out

@@ -112,6 +112,18 @@ def kv_groups_line(engine: AsyncEngine) -> str:
     return "" if kv_config is None else f"  KV cache groups: {describe(kv_config)}\n"
 
 
+def kv_cache_line(config) -> str:
+    """The startup banner's line on a CPU KV cache of another dtype than the model's: whether the
+    native attention kernels read it (float16) or the torch path gathers it (bfloat16)."""
+    from rackserve.bench.engine_kernels import engine_kernels
+    m, kv = config.model, config.cache.cache_dtype
+    if m.device != "cpu" or kv is None or kv == m.dtype:
+        return ""
+    how = ("the native attention kernels read it in place, widened to float32" if engine_kernels(m, kv)[
+        "native_decode_attention"] else "decode attention gathers it and runs SDPA (the torch path)")
+    return f"  KV cache {kv}: {how}\n"
+
+
 async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError | None:
     """Runs the server until it is told to stop, or until the engine dies (returns why)."""
     task = asyncio.create_task(server.serve())
@@ -128,7 +140,7 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
               + (f"  native library {m.native_isa} ({m.native_isa_reason})\n" if m.device == "cpu" else "")
               + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})\n"
                  if m.quantization == "gguf" else "") +
-              f"{kv_groups_line(engine)}"
+              f"{kv_groups_line(engine)}{kv_cache_line(engine.config)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)
     died = None

@@ -6,7 +6,11 @@
 // for than for its attention. model/native_decode.py lays out the structs below once per model
 // (the pointers of every layer's weights and KV cache) and calls rs_decode_layers once per step;
 // the torch path computes the same (tests/test_native_decode.py). This file must never allocate
-// tensors nor decide when it runs: the caller passes every buffer.
+// tensors nor decide when it runs: the caller passes every buffer. The KV cache is float32 or
+// float16 (RsDecoder.kv_half): a float16 one is written rounded to nearest even, as torch's
+// .to(float16) rounds, and read by rs_paged_decode_attention_f16.
+#include <immintrin.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +25,10 @@ int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_c
                               const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows, int64_t heads,
                               int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
                               int threads);
+int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                                  const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
+                                  int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                  float* out, int threads);
 
 // A quantized GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs
 // whichever kernel packed the weights.
@@ -40,13 +48,14 @@ struct RsDecoderLayer {
   const float* input_norm;
   const float* post_norm;
   RsLinear qkv, o, gate_up, down;
-  float* k_cache;           // [blocks, block_size, kv_heads, head_dim]
-  float* v_cache;
+  void* k_cache;            // [blocks, block_size, kv_heads, head_dim], of RsDecoder.kv_half's dtype
+  void* v_cache;
 };
 
 struct RsDecoder {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
   int64_t wide;             // the wider of a qkv and a gate_up output row
+  int64_t kv_half;          // 1: every layer's KV cache is float16 (IEEE half bits); 0: float32
   float eps, scale;
   const RsDecoderLayer* layers;
   const float* final_norm;
@@ -77,6 +86,21 @@ class Clock {
   double last_;
 };
 
+// n floats of a token's K or V into its cache slot at dst: float32 as they are, or float16
+// rounded to nearest even (F16C, 8 at a time).
+void store_kv(void* dst, const float* src, int64_t n, bool half) {
+  if (!half) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 }  // namespace
 
 // residual [rows, hidden]: the embedded tokens in, clobbered; out [rows, hidden]: the final norm's
@@ -101,14 +125,21 @@ extern "C" int rs_decode_layers(const RsDecoder* m, int64_t rows, float* residua
     if (L.qkv.gemv(normed, rows, hidden, L.qkv.packed, L.qkv.tiles, L.qkv.kind, big, threads)) return -1;
     clock.lap(kQkv);
     rs_rope_neox(big, rows, L.qkv.width, m->heads + m->kv_heads, hd, cos, sin);
+    const int64_t elem = m->kv_half ? sizeof(uint16_t) : sizeof(float);
     for (int64_t r = 0; r < rows; ++r) {
       const float* k = big + r * L.qkv.width + q_size;
-      std::memcpy(L.k_cache + slots[r] * kv_size, k, kv_size * sizeof(float));
-      std::memcpy(L.v_cache + slots[r] * kv_size, k + kv_size, kv_size * sizeof(float));
+      store_kv(static_cast<char*>(L.k_cache) + slots[r] * kv_size * elem, k, kv_size, m->kv_half);
+      store_kv(static_cast<char*>(L.v_cache) + slots[r] * kv_size * elem, k + kv_size, kv_size, m->kv_half);
     }
     clock.lap(kRopeKv);
-    rs_paged_decode_attention(big, L.qkv.width, L.k_cache, L.v_cache, tables, width, lens, rows, m->heads, m->kv_heads,
-                              hd, m->block_size, m->scale, attn, threads);
+    if (m->kv_half)
+      rs_paged_decode_attention_f16(big, L.qkv.width, static_cast<const uint16_t*>(L.k_cache),
+                                    static_cast<const uint16_t*>(L.v_cache), tables, width, lens, rows, m->heads,
+                                    m->kv_heads, hd, m->block_size, m->scale, attn, threads);
+    else
+      rs_paged_decode_attention(big, L.qkv.width, static_cast<const float*>(L.k_cache),
+                                static_cast<const float*>(L.v_cache), tables, width, lens, rows, m->heads,
+                                m->kv_heads, hd, m->block_size, m->scale, attn, threads);
     clock.lap(kAttention);
     if (L.o.gemv(attn, rows, q_size, L.o.packed, L.o.tiles, L.o.kind, h, threads)) return -1;
     clock.lap(kOProj);

@@ -7,6 +7,10 @@
 // the parts are merged), so a lone decode at thousands of tokens uses every core. Scores are
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
+// The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
+// one template over both: a half cache's block is widened by F16C, 16 (AVX-512) or 8 (AVX2) values
+// at a time, into a float32 block the same loops read, so a step reads half the bytes from memory,
+// and the query, the output and the arithmetic stay float32.
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -20,6 +24,11 @@
 #include "vec_exp.h"
 
 namespace {
+
+// A float16 cache element, as its bits (F16C converts it; the float32 one is used as it is).
+using half = uint16_t;
+inline float to_float(float x) { return x; }
+inline float to_float(half x) { return _cvtsh_ss(x); }
 
 // exp(x - mx) over a row of scores in place, 16 at a time (vec_exp.h: arithmetic the build
 // vectorises for its ISA; std::exp is a scalar libm call of ~20 ns, which was most of this kernel's
@@ -55,6 +64,7 @@ constexpr int64_t kKeys = 16;       // keys scored at once: one vector of scores
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -80,6 +90,7 @@ constexpr int64_t kKeys = 8;
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -190,17 +201,34 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
   }
 }
 
+// A block's first `count` cache elements as float32: a float32 block as it is; a float16 one
+// widened once into `wide` (a block's floats, L1-resident), so that a KV head's query heads (GQA)
+// share each conversion and the float32 loops above read it. Converting at every load instead
+// took a lone decode at 384 tokens 1.85x the float32 cache's time on a Zen 1 with the bytes
+// cached: F16C's conversion is slower there than the FMA it feeds, and ran once per query head.
+inline const float* widen_block(const float* b, int64_t, float*) { return b; }
+inline const float* widen_block(const half* b, int64_t count, float* wide) {
+  int64_t i = 0;
+#ifdef RS_VECTOR_KEYS
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  for (; i + lanes <= count; i += lanes) vstore(wide + i, vload(b + i));
+#endif
+  for (; i < count; ++i) wide[i] = to_float(b[i]);
+  return wide;
+}
+
 // Asks for the next block's bytes of a part (when it has one), a line at a time, while this block
 // is read: the table scatters a context's blocks, so the hardware prefetcher loses the stream at
 // each block's end. The AVX2 build only (on a Zen 3 it took a lone decode's attention at 256 tokens
 // from 56 to 43 us a layer, bench/results/decode-attention-ab-prefetch-s9z.json); the AVX-512
 // build was not measured with it.
-inline void prefetch_next_block(const float* cache, const int64_t* table, int64_t t0, int64_t t_end,
+template <typename T>
+inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0, int64_t t_end,
                                 int64_t block_size, int64_t token_stride) {
   const int64_t next = t0 + block_size;
   if (kAvx512 || next >= t_end) return;
   const char* p = reinterpret_cast<const char*>(cache + table[next / block_size] * block_size * token_stride);
-  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
@@ -210,10 +238,12 @@ inline void prefetch_next_block(const float* cache, const int64_t* table, int64_
 // one head's 256 bytes of each 768 would have the prefetcher bring in the rest for nothing.
 // Writes, per query head, the scores' max m, the sum l of exp(score - m) and acc = sum
 // exp(score - m) v, unnormalised: part[h * (head_dim + 2) ...] = acc[head_dim], m, l.
-// scores: scratch of heads * (t_end - t_begin).
-void attend_part(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t t_begin,
+// scores: scratch of heads * (t_end - t_begin); wide: of block_size * kv_heads * head_dim (a float16
+// cache's block widened, widen_block).
+template <typename T>
+void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t_begin,
                  int64_t t_end, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                 float* scores, float* part) {
+                 float* scores, float* wide, float* part) {
   // Denormals flushed to zero while this thread runs it (and the caller's mode restored): a
   // peaked softmax leaves many weights below 1e-38, and each exp, product and sum on a denormal
   // takes a microcode assist (2x the kernel's time on a peaked softmax over 750 tokens). They add
@@ -224,8 +254,8 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   // Block by block: the slot of token t is found once per block, not by a division per token.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const float* kb = k_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
+    const float* kb = widen_block(k_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
     for (int64_t h = 0; h < heads; ++h)
       score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
   }
@@ -242,8 +272,8 @@ void attend_part(const float* q, const float* k_cache, const float* v_cache, con
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    const float* vb = v_cache + table[t0 / block_size] * block_size * token_stride;
     prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
+    const float* vb = widen_block(v_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
     for (int64_t h = 0; h < heads; ++h)
       add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
                  part + h * (head_dim + 2));
@@ -255,17 +285,15 @@ struct Part {
   int64_t row, t_begin, t_end;
 };
 
-}  // namespace
-
 // out [rows, heads * head_dim]: row r's query (q + r * q_stride, heads of head_dim) against its
 // first lens[r] tokens, found through tables[r * width ...]. Work is split into parts (a row's
 // context cut into runs of whole blocks) over `threads` threads; a short context stays in one
 // part and a small step on the calling thread: a parallel region costs more than the few
 // microseconds of work it would share.
-extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                                         const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
-                                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                         float scale, float* out, int threads) {
+template <typename T>
+int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* tables,
+                           int64_t width, const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   // Below kMinPartTokens a part's fixed costs (merge, scratch) dominate; a step needs
   // kMinParallelKeys keys x KV heads before it uses the threads. The AVX2 build splits sooner: on a
   // Zen 3 one thread reads a lone decode's 257-token K/V at a third of what a core reads, and two
@@ -294,11 +322,13 @@ extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t i = 0; i < count; ++i) {
     const Part& p = parts[i];
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, wide;
     const int64_t need = heads * (p.t_end - p.t_begin);
+    const int64_t block = sizeof(T) < sizeof(float) ? block_size * kv_heads * head_dim : 0;
     if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
+    if (static_cast<int64_t>(wide.size()) < block) wide.resize(block);
     attend_part(q + p.row * q_stride, k_cache, v_cache, tables + p.row * width, p.t_begin, p.t_end, heads, kv_heads,
-                head_dim, block_size, scale, scores.data(), results.data() + i * heads * stride);
+                head_dim, block_size, scale, scores.data(), wide.data(), results.data() + i * heads * stride);
   }
   // Merge each row's parts per query head: rescale every part's sum and accumulator to the
   // largest max, then divide once.
@@ -323,4 +353,25 @@ extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const
     }
   }
   return 0;
+}
+
+}  // namespace
+
+// The float32 cache's entry point and the float16 one's (k_cache, v_cache: IEEE half bits); the
+// arguments are paged_decode_attention's above.
+extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                                         const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
+                                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                         float scale, float* out, int threads) {
+  return paged_decode_attention(q, q_stride, k_cache, v_cache, tables, width, lens, rows, heads, kv_heads, head_dim,
+                                block_size, scale, out, threads);
+}
+
+extern "C" int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, const uint16_t* k_cache,
+                                             const uint16_t* v_cache, const int64_t* tables, int64_t width,
+                                             const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                             int64_t head_dim, int64_t block_size, float scale, float* out,
+                                             int threads) {
+  return paged_decode_attention(q, q_stride, k_cache, v_cache, tables, width, lens, rows, heads, kv_heads, head_dim,
+                                block_size, scale, out, threads);
 }

@@ -16,7 +16,11 @@
 // that threads run apart, then merges their softmax states. Written with GCC's vector extensions
 // (vec_exp.h), so that both builds compile it to their own ISA. model/native_ops.py calls
 // rs_prefill_attention; the torch backend keeps its two-matmul form for other dtypes and devices.
-// This file must never allocate tensors: the caller passes every buffer.
+// A float16 cache (rs_prefill_attention_f16) has each tile's keys and values widened once into
+// float32 rows (F16C) that the same tiles read: an item's 16 query rows x its group share each
+// conversion. This file must never allocate tensors: the caller passes every buffer.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,8 +37,9 @@ constexpr int64_t kMinSegment = 256;  // keys: a shorter segment is not worth a 
 struct Chunk {
   const float* q;
   int64_t q_stride, n, ctx;
-  const float* k_cache;
-  const float* v_cache;
+  const void* k_cache;      // float, or float16's bits where `half`
+  const void* v_cache;
+  bool half;
   const int64_t* table;
   int64_t heads, kv_heads, head_dim, block_size;
   float scale;
@@ -43,11 +48,19 @@ struct Chunk {
 // One thread's buffers: kQueryRows * group query vectors, a whole number of lane vectors (kLanes
 // divides kQueryRows).
 struct Scratch {
-  std::vector<float> qt, acc, s, p, m, l, corr, pos;
+  std::vector<float> qt, acc, s, p, m, l, corr, pos, kw, vw;   // kw, vw: a float16 tile's keys and values widened
   Scratch(int64_t qv_max, int64_t head_dim)
       : qt(qv_max * head_dim), acc(qv_max * head_dim), s(qv_max * kKeys), p(qv_max * kKeys), m(qv_max),
-        l(qv_max), corr(qv_max), pos(qv_max) {}
+        l(qv_max), corr(qv_max), pos(qv_max), kw(kKeys * head_dim), vw(kKeys * head_dim) {}
 };
+
+// A key's or value's n float16 elements (n a multiple of 8) widened into dst, 8 at a time; dst.
+inline const float* widen(const void* cache, int64_t off, int64_t n, float* dst) {
+  const uint16_t* src = static_cast<const uint16_t*>(cache) + off;
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  return dst;
+}
 
 // Rows r0 .. r0 + rows of KV head g against keys [k0, k1): the item's query vectors' unnormalised
 // sums (w.acc), running maxima (w.m) and sums of probabilities (w.l).
@@ -76,8 +89,13 @@ void run_item(const Chunk& c, Scratch& w, int64_t g, int64_t r0, int64_t rows, i
     for (int64_t t = 0; t < kKeys; ++t) {
       // past the end: a repeat of the last key, masked (k1 < c0 + kKeys only where k1 is `seen`)
       const int64_t off = (c.table[blk] * c.block_size + in_blk) * token_stride + g * head_dim;
-      krow[t] = c.k_cache + off;
-      vrow[t] = c.v_cache + off;
+      if (c.half) {
+        krow[t] = widen(c.k_cache, off, head_dim, w.kw.data() + t * head_dim);
+        vrow[t] = widen(c.v_cache, off, head_dim, w.vw.data() + t * head_dim);
+      } else {
+        krow[t] = static_cast<const float*>(c.k_cache) + off;
+        vrow[t] = static_cast<const float*>(c.v_cache) + off;
+      }
       if (t + 1 < nk && ++in_blk == c.block_size) in_blk = 0, ++blk;
     }
     // Positions grow with v: lane vectors before `first` have every key here in their future.
@@ -120,18 +138,15 @@ void run_item(const Chunk& c, Scratch& w, int64_t g, int64_t r0, int64_t rows, i
   }
 }
 
-}  // namespace
-
-extern "C" {
-
 // q: row i (position ctx + i) of the chunk at q + i * q_stride, heads of head_dim contiguous.
-// k_cache, v_cache: [blocks, block_size, kv_heads, head_dim]; table: the request's blocks, covering
-// ctx + n tokens. out: [n, heads * head_dim]. head_dim a multiple of 16, at most 256.
-int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const float* k_cache,
-                         const float* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+// k_cache, v_cache: [blocks, block_size, kv_heads, head_dim], float or (half) float16; table: the
+// request's blocks, covering ctx + n tokens. out: [n, heads * head_dim]. head_dim a multiple of 16,
+// at most 256.
+int prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const void* k_cache,
+                      const void* v_cache, bool half, const int64_t* table, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   if (head_dim % 16 || head_dim > 256 || n < 1 || ctx < 0 || heads % kv_heads || threads < 1) return -1;
-  const Chunk c{q, q_stride, n, ctx, k_cache, v_cache, table, heads, kv_heads, head_dim, block_size, scale};
+  const Chunk c{q, q_stride, n, ctx, k_cache, v_cache, half, table, heads, kv_heads, head_dim, block_size, scale};
   const int64_t group = heads / kv_heads, qv_max = kQueryRows * group;
   const int64_t row_blocks = (n + kQueryRows - 1) / kQueryRows, items = kv_heads * row_blocks;
   const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, (ctx + 1) / kMinSegment));
@@ -188,6 +203,25 @@ int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ct
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// prefill_attention's arguments over a float32 cache, and over a float16 one (IEEE half bits).
+int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const float* k_cache,
+                         const float* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, false, table, heads, kv_heads, head_dim, block_size,
+                           scale, out, threads);
+}
+
+int rs_prefill_attention_f16(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const uint16_t* k_cache,
+                             const uint16_t* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, true, table, heads, kv_heads, head_dim, block_size,
+                           scale, out, threads);
 }
 
 }  // extern "C"
