@@ -144,7 +144,7 @@ def test_bfloat16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_tokens_in_top
 
 def test_float16_kv_cache_decodes_natively_with_the_greedy_tokens_of_the_sdpa_path(tiny_llama_dir, monkeypatch):
     # --kv-cache-dtype float16 under float32 weights: decode attention reads the half cache in place
-    # (native_ops.paged_decode_attention, widening each load); without it the torch path gathers
+    # (native_ops.paged_decode_attention, widening each block once); without it the torch path gathers
     # the blocks and runs SDPA over them. Both attend over the same rounded K and V.
     from rackserve.model import native_ops
     from rackserve.model.native import choose_isa

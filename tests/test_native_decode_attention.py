@@ -2,7 +2,7 @@
 against softmax(q k^T) v in torch on the tokens gathered by hand: a context split over threads
 into parts of whole blocks and merged, keys scored a vector's width at a time, the ragged last
 block and head sizes the vector path does not take; over a float32 cache and a float16 one (its
-own entry point, which widens each load), the reference computed in float64 from the very values
+own entry point, which widens each block once), the reference computed in float64 from the very values
 the cache holds. Runs on both builds (avx512, avx2).
 """
 from __future__ import annotations
