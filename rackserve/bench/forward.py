@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -162,19 +163,22 @@ def _plan(args: argparse.Namespace) -> tuple[list[ForwardPoint], list[tuple[str,
     return points, sides
 
 
-def _measure_limits(sides: list[tuple[str, EngineArgs, str | None]]) -> dict[str, Limits]:
-    """Per side, measured once per (device, dtype): an A/B of dtypes gets each dtype's matmul rate."""
+@functools.lru_cache(maxsize=None)
+def _limits(device: str, dtype: str) -> Limits:
+    """The machine's limits for (device, dtype), measured once per process: several runs of the
+    command in one process (the simulator's calibration runs three) share them."""
     import torch
 
     from rackserve.bench.limits import measure_limits
-    measured: dict[tuple[str, str], Limits] = {}
+    return measure_limits(device, getattr(torch, dtype))
+
+
+def _measure_limits(sides: list[tuple[str, EngineArgs, str | None]]) -> dict[str, Limits]:
+    """Per side, measured once per (device, dtype): an A/B of dtypes gets each dtype's matmul rate."""
     limits = {}
     for label, engine_args, _ in sides:
         model = engine_args.create_engine_config().model
-        key = (model.device, model.dtype)
-        if key not in measured:
-            measured[key] = measure_limits(model.device, getattr(torch, model.dtype))
-        limits[label] = measured[key]
+        limits[label] = _limits(model.device, model.dtype)
         print(f"machine ({label}: {model.dtype}): {limits[label].describe()}")
     return limits
 

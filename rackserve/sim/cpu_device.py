@@ -10,7 +10,7 @@ digest, the step path's Python files, the native decode step's use). `rackserve 
 in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
 sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
 context 256-2048, prefill of 256 tokens at batch 1 and 4 and of 64 at batch 1 and 2; a second
-each, in a child process so the simulator itself never imports torch), fits the device
+each, in one child process so the simulator itself never imports torch), fits the device
 (calibrate.py) and saves it there for the next run. This file owns the key and the lookup; it must
 never time a step itself.
 """
@@ -82,18 +82,36 @@ def find(key: dict[str, str], directories: list[str]) -> str | None:
     return None
 
 
-def _bench_forward(key: dict[str, str], out: str, mode: str, max_model_len: int) -> None:
+def _forward_args(key: dict[str, str], out: str, mode: str, max_model_len: int) -> list[str]:
+    """`rackserve bench forward`'s arguments for one of the calibration's three sets of points."""
     contexts = [c for c in DECODE_CONTEXTS if c < max_model_len] or [max_model_len // 2]
     args = ["--mode", "decode", "--batch-sizes", DECODE_BATCHES, "--context-lens", ",".join(map(str, contexts))]
     if mode in ("prefill", "mid"):
         batches, tokens = (PREFILL_BATCHES, PREFILL_TOKENS) if mode == "prefill" else (MID_BATCHES, MID_TOKENS)
         args = ["--mode", "prefill", "--batch-sizes", batches, "--context-lens", "0", "--new-tokens", str(tokens)]
-    cmd = [sys.executable, "-m", "rackserve.serve.cli", "bench", "forward", "--model", key["model"], "--device", "cpu",
-           "--dtype", key["dtype"], "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS),
-           "--warmup-steps", "2", *args, "--output", out]
+    return ["bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype", key["dtype"],
+            "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
+            *args, "--output", out]
+
+
+def _bench_forwards(runs: list[list[str]]) -> None:
+    """The runs of bench forward, one after another in one child process (torch and the engine's
+    modules load once, and the simulator itself never imports torch)."""
+    cmd = [sys.executable, "-m", "rackserve.sim.cpu_device", json.dumps(runs)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ValueError(f"calibrating cpu: bench forward failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+        commands = "; ".join("rackserve " + " ".join(run) for run in runs)
+        raise ValueError(f"calibrating cpu: bench forward failed ({commands}):\n{done.stderr[-2000:]}")
+
+
+def _run_forwards(runs_json: str) -> int:
+    """The child's side of _bench_forwards: each run through the CLI, stopping at the first that fails."""
+    from rackserve.serve.cli import main
+    for run in json.loads(runs_json):
+        rc = main(run)
+        if rc:
+            return rc
+    return 0
 
 
 def calibrate_now(key: dict[str, str], directory: str) -> str:
@@ -106,8 +124,7 @@ def calibrate_now(key: dict[str, str], directory: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         modes = ("decode", "prefill", "mid")
         paths = [os.path.join(tmp, f"forward-{mode}.json") for mode in modes]
-        for mode, path in zip(modes, paths):
-            _bench_forward(key, path, mode, max_model_len)
+        _bench_forwards([_forward_args(key, path, mode, max_model_len) for mode, path in zip(modes, paths)])
         results = []
         for path in paths:
             with open(path) as f:
@@ -146,3 +163,7 @@ def load_device(hardware: str, model: str, quantization: str | None,
         return load_hardware(hardware), None, None
     hw, as_measured = load_calibration(hardware)
     return hw, (as_measured or None), hardware
+
+
+if __name__ == "__main__":
+    sys.exit(_run_forwards(sys.argv[1]))
