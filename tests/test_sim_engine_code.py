@@ -24,6 +24,10 @@ def test_an_edit_to_a_file_that_ran_or_another_native_build_makes_the_record_sta
     assert engine_code.unchanged(record)
     (tmp_path / "unrelated.py").write_text("z = 3\n")            # a file the engine never loaded
     assert engine_code.unchanged(record)
+    (tmp_path / "layer.py").write_text('"""Docstring."""\n\n# a comment\nx = (1)   # the same code\n')
+    assert engine_code.unchanged(record)
+    (tmp_path / "layer.py").write_text('"""Docstring."""\nx = "1"\n')        # a string is code past the docstring
+    assert not engine_code.unchanged(record)
     (tmp_path / "layer.py").write_text("x = 10\n")
     assert not engine_code.unchanged(record)
     (tmp_path / "layer.py").write_text("x = 1\n")

@@ -6,15 +6,18 @@ calibrations, sim/cpu_device.py):
   (model/native.library_digest: the sources built for that ISA, their flags, the compiler);
 - the Python files of the step path's modules this process had loaded (rackserve.model.* and
   rackserve.executor.*: the layers, the loaders, the quantized kernels, the native decode step, the
-  model runner), read from sys.modules after the engine ran, with a digest of their contents;
+  model runner), read from sys.modules after the engine ran, with a digest of their code (the
+  syntax tree without docstrings: a comment or docstring edit keeps a calibration);
 - whether the decode steps ran in one native call (model/native_decode.py), read from the runner.
 
-Nothing here is a list of kernels kept by hand: an edit to any of those files, or to a native
-source that was built, changes the record. This file must never time anything nor import torch
-(the simulator checks a record without loading a model).
+Nothing here is a list of kernels kept by hand: an edit to the code of any of those files, or to a
+native source that was built (comments included: the library's own digest), changes the record.
+This file must never time anything nor import torch (the simulator checks a record without
+loading a model).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import sys
@@ -23,14 +26,29 @@ STEP_PATH = ("rackserve.model", "rackserve.executor")      # the packages whose 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
 
 
+def _code_of(name: str, source: bytes) -> bytes:
+    """What a file contributes to the digest: a Python file's code as ast.unparse writes it back
+    without docstrings (comments, docstrings and layout change no step), any other file's bytes."""
+    if not name.endswith(".py"):
+        return source
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.unparse(tree).encode()
+
+
 def _files_digest(files: list[str]) -> str | None:
-    """A hash of the files' paths and contents (paths relative to the checkout); None when one is gone."""
+    """A hash of the files' paths and code (paths relative to the checkout); None when one is gone."""
     digest = hashlib.sha256()
     for name in files:
         try:
             with open(os.path.join(_ROOT, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
-        except OSError:
+                digest.update(name.encode() + b"\0" + _code_of(name, f.read()))
+        except (OSError, SyntaxError, ValueError):
             return None
     return digest.hexdigest()[:16]
 

@@ -155,8 +155,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
     found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. The
-    caches are float32 or float16 (read as IEEE half, widened to float32 at each load); q is
-    float32. None where the native library cannot (the caller gathers and runs SDPA)."""
+    caches are float32 or float16 (IEEE half, each block widened once to float32 into a scratch
+    the float32 loops read); q is float32. None where the native library cannot (the caller gathers and runs SDPA)."""
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
              and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
              and k_cache.dtype == v_cache.dtype and k_cache.dtype in _DECODE_CACHE_DTYPES)
