@@ -26,8 +26,11 @@ def load_llama_cpp(model: str, threads: int, n_ctx: int):
 def llama_cpp_stream_timing(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float]:
     """One stream, greedy and past EOS: (TTFT seconds, decode tokens/s after the first token)."""
     times = []
+    # generate(reset=True) still keeps the longest prefix the cache shares with the prompt (all but
+    # its last token for a repeated prompt); reset() first, so every prompt is prefilled whole.
+    llm.reset()
     t0 = time.perf_counter()
-    # generate() yields each sampled token and never stops on its own; reset: no cached prefix.
+    # generate() yields each sampled token and never stops on its own.
     for _ in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         times.append(time.perf_counter())
         if len(times) == max_new_tokens:

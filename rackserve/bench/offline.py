@@ -10,6 +10,7 @@ matmul limit (the workload's FLOPs at the measured matmul rate).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -104,11 +105,11 @@ def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tu
         b - a for a, b in zip(times, times[1:]))
 
 
-def _timed(fn, runs: int) -> tuple[list[tuple], int | None]:
-    """`runs` calls of fn(), and the preemptions our threads took meanwhile (limits.preemptions)."""
+def _timed_each(fn, prompts: list[list[int]]) -> tuple[list[tuple], int | None]:
+    """fn(prompt) for each prompt, and the preemptions our threads took meanwhile (limits.preemptions)."""
     from rackserve.bench.limits import preemptions
     before = preemptions()
-    out = [fn() for _ in range(runs)]
+    out = [fn(prompt) for prompt in prompts]
     after = preemptions()
     return out, None if before is None or after is None else after - before
 
@@ -121,13 +122,15 @@ def run_latency(args: argparse.Namespace) -> None:
     engine_args = _engine_args(args)
     llm = LLM(**vars(engine_args))
     rng = random.Random(engine_args.seed)
-    prompt = _random_prompt(rng, llm.engine.core.executor.vocab_size, args.input_len)
+    # A prompt of its own for the warm-up and for each run, the same ones for every system: each
+    # TTFT is then a cold prefill (a repeated prompt is a prefix hit for rackserve and llama.cpp).
+    prompts = [_random_prompt(rng, llm.engine.core.executor.vocab_size, args.input_len) for _ in range(args.runs + 1)]
     # The read rate is measured before and after rackserve's runs and the faster kept: the host's
     # other tenants move it from minute to minute, and a limit measured low would flatter the figure.
     limits_before = measure_limits(llm.engine.config.model.device)
-    _stream_once(llm, prompt, 8, "warmup")
-    names = iter(range(args.runs))
-    runs, preempted = _timed(lambda: _stream_once(llm, prompt, args.output_len, f"run{next(names)}"), args.runs)
+    _stream_once(llm, prompts[0], 8, "warmup")
+    ids = itertools.count(1)
+    runs, preempted = _timed_each(lambda p: _stream_once(llm, p, args.output_len, f"run{next(ids)}"), prompts[1:])
     ttft = statistics.median(r[0] for r in runs)
     tps = statistics.median(r[1] for r in runs)
     # A step that lost a scheduler slice to another task is slower by the slice: the median step
@@ -157,8 +160,8 @@ def run_latency(args: argparse.Namespace) -> None:
         from rackserve.bench.llama_cpp_peer import llama_cpp_stream_timing, load_llama_cpp
         threads = torch.get_num_threads()
         peer_llm = load_llama_cpp(engine_args.model, threads, args.input_len + args.output_len + 16)
-        llama_cpp_stream_timing(peer_llm, prompt, 8)
-        peer, peer_preempted = _timed(lambda: llama_cpp_stream_timing(peer_llm, prompt, args.output_len), args.runs)
+        llama_cpp_stream_timing(peer_llm, prompts[0], 8)
+        peer, peer_preempted = _timed_each(lambda p: llama_cpp_stream_timing(peer_llm, p, args.output_len), prompts[1:])
         del peer_llm
         cpp_ttft = statistics.median(r[0] for r in peer)
         cpp_tps = statistics.median(r[1] for r in peer)
@@ -170,8 +173,8 @@ def run_latency(args: argparse.Namespace) -> None:
     if "hf" in args.peer:
         from rackserve.bench.hf_peer import hf_stream_timing, load_hf_model
         model = load_hf_model(engine_args.model)
-        hf_stream_timing(model, prompt, 8)
-        peer, peer_preempted = _timed(lambda: hf_stream_timing(model, prompt, args.output_len), args.runs)
+        hf_stream_timing(model, prompts[0], 8)
+        peer, peer_preempted = _timed_each(lambda p: hf_stream_timing(model, p, args.output_len), prompts[1:])
         hf_ttft = statistics.median(r[0] for r in peer)
         hf_tps = statistics.median(r[1] for r in peer)
         result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps, "preemptions": peer_preempted}
