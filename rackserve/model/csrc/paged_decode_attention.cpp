@@ -332,8 +332,8 @@ void add_values_group(const float* p, int64_t p_stride, const float* v, int64_t 
 // heads (GQA) share each conversion (converting at every load took a lone decode at 384 tokens
 // 1.85x the float32 cache's time on a Zen 1: F16C's conversion is slower there than the FMA it
 // feeds); a float32 block copied, one sequential read of its bytes from memory that the grouped
-// loops' strided reads then find in L1. Without the copy the grouped loops took a Zen 1 float32
-// step 0.93-1.01x main's time; with it 1.03-1.14x less at 256-4096 tokens
+// loops' strided reads then find in L1. Without the copy the grouped loops ran a Zen 1 float32
+// step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
 // (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
 // already in the caches (the bench streams them from memory, as a step does).
 inline const float* widen_block(const float* b, int64_t count, float* wide) {
