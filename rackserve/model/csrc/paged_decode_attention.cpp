@@ -10,9 +10,9 @@
 // The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
 // one template over both: a half cache's block is widened by F16C, 16 (AVX-512) or 8 (AVX2) values
 // at a time, into a float32 block the same loops read, so a step reads half the bytes from memory,
-// and the query, the output and the arithmetic stay float32; a float32 cache's block is copied
-// into that block the same way (widen_block). A KV head's 2-4 query heads are scored and
-// accumulated against each loaded K/V row at once on AVX2 (score_group, add_values_group).
+// and the query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is
+// copied into that block the same way (widen_block), and a KV head's 2-4 query heads are scored
+// and accumulated against each loaded K/V row at once (score_group, add_values_group).
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -336,9 +336,15 @@ void add_values_group(const float* p, int64_t p_stride, const float* v, int64_t 
 // step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
 // (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
 // already in the caches (the bench streams them from memory, as a step does).
+// The AVX-512 build (no grouped loops, not measured with the copy) reads a float32 block in place.
 inline const float* widen_block(const float* b, int64_t count, float* wide) {
+#ifdef RS_GROUP_VEC
   std::memcpy(wide, b, count * sizeof(float));
   return wide;
+#else
+  (void)count, (void)wide;
+  return b;
+#endif
 }
 inline const float* widen_block(const half* b, int64_t count, float* wide) {
   int64_t i = 0;
