@@ -84,20 +84,36 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_gguf):
-    """transformers' own dequantization and llama.cpp un-permutation of the same file. Two of its
-    costs are lifted while it loads, values unchanged: gguf-py's reader of the file is built once
-    (transformers builds one for the config and another for the tensors: ~7 s each on a Zen 1), and
-    gguf-py's name table for (architecture, layers) once (transformers asks for it per module:
-    ~400 tables). Both are pure functions of their arguments, and transformers only reads them."""
+def gguf_py_memo():
+    """A context manager under which transformers' GGUF loading reuses, for the whole session,
+    gguf-py's reader of a file (transformers builds one for the config, another for the tensors or
+    the tokenizer: ~7 s each for SmolLM2 on a Zen 1) and its name table per (architecture, layers)
+    (transformers asks for it per module: ~400 tables). Both are pure functions of their arguments,
+    and transformers only reads what they return, so the values it loads are unchanged."""
+    import contextlib
     import functools
-    import os
 
     import gguf
+    reader = functools.lru_cache(maxsize=None)(gguf.GGUFReader)
+    names = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+    @contextlib.contextmanager
+    def memoised():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", reader)
+            patch.setattr(gguf, "get_tensor_name_map", names)
+            yield
+    return memoised
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, gguf_py_memo):
+    """transformers' own dequantization and llama.cpp un-permutation of the same file (gguf-py's
+    parse of it shared with the session's other transformers loads: gguf_py_memo)."""
+    import os
+
     import torch
     import transformers
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    with gguf_py_memo():
         return transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf), dtype=torch.float32).eval()

@@ -20,7 +20,7 @@ TRACE = os.path.join(os.path.dirname(__file__), "data", "weka_tiny.jsonl")
 @pytest.fixture(scope="module")
 def generated():
     config = AgentXConfig(scale=0.1, output_scale=0.1, seed=0)
-    return config, [AgentXWorkload(config).session(i) for i in range(2000)]
+    return config, [AgentXWorkload(config).session(i) for i in range(1000)]
 
 
 def conversations(session):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import start_command, start_server, stop_all
+from tests.server_utils import start_commands, start_server, stop_all
 from tests.test_server_hardening import COMP, HOSTILE, MAX_MODEL_LEN, MODEL, VOCAB
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
@@ -31,11 +31,11 @@ def fronts(tmp_path_factory):
                                        str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "128",
                                        "--kv-events-config", events], root / "instance.log")
         procs.append(proc)
-        urls = {}
-        for name, args in (("router", ["router", "--worker", instance]),
-                           ("proxy", ["proxy", "--prefill", instance, "--decode", instance])):
-            proc, urls[name] = start_command([*args, "--uvicorn-log-level", "warning"], root / f"{name}.log", 60)
-            procs.append(proc)
+        fronts = {"router": ["router", "--worker", instance], "proxy": ["proxy", "--prefill", instance, "--decode", instance]}
+        started = start_commands([([*args, "--uvicorn-log-level", "warning"], root / f"{name}.log")
+                                  for name, args in fronts.items()], 60)
+        urls = {name: url for name, (_, url) in zip(fronts, started)}
+        procs += [proc for proc, _ in started]
         yield urls
     finally:
         stop_all(procs)

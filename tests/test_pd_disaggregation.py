@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server, stop_all
+from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands, start_server, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -49,11 +49,12 @@ def cluster(tmp_path_factory):
     procs = []
     try:
         urls, pids = {}, {}
-        for name, extra in (("prefill", ["--kv-transfer-config", _kv_config("kv_producer")]),
-                            ("decode", ["--kv-transfer-config", _kv_config("kv_consumer")])):
-            proc, urls[name] = start_server(base + extra, root / f"{name}.log")
+        roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
+        started = start_commands([(serve_args(base + ["--kv-transfer-config", _kv_config(role)]), root / f"{name}.log")
+                                  for name, role in roles.items()])
+        for name, (proc, url) in zip(roles, started):
             procs.append(proc)
-            pids[name] = proc.pid
+            urls[name], pids[name] = url, proc.pid
         proc, urls["proxy"] = _start_proxy(urls["prefill"], urls["decode"], root / "proxy.log")
         procs.append(proc)
         yield {**urls, "base": base, "root": root, "pids": pids}

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server
+from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -48,13 +48,15 @@ def cluster(tmp_path_factory):
     save_test_tokenizer(str(root / "tok"), VOCAB)
     instances = []
     try:
+        commands = []
         for i in range(2):
             events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
                                  "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"})
-            instances.append(start_server(
+            commands.append((serve_args(
                 ["--model", model, "--tokenizer", str(root / "tok"), "--served-model-name", MODEL, "--device", "cpu",
                  "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--block-size", str(BS),
-                 "--kv-events-config", events], root / f"instance{i}.log"))
+                 "--kv-events-config", events]), root / f"instance{i}.log"))
+        instances += start_commands(commands)
         router, url = start_router([u for _, u in instances], root / "router.log")
         yield Cluster(instances, router, url, str(root / "tok"))
         router.terminate()

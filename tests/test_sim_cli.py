@@ -150,6 +150,7 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     assert len(saved) == 1 and results[0]["sim"]["calibration"] == results[1]["sim"]["calibration"] == str(saved[0])
     calibration = json.loads(saved[0].read_text())
     assert calibration["key"] == cpu_device.serve_key(tiny_llama_dir)
+    assert calibration["key"]["kv_cache_dtype"] == "float32"
     assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == "fp32"
     # What the engine ran, as bench forward recorded it: no packed kernel; decodes padded unless native.
     assert calibration["spec"]["quant_kernel"] is None and calibration["spec"]["dequantize_above_tokens"] is None

@@ -54,9 +54,10 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def transformers_smollm2():
+def transformers_smollm2(gguf_py_memo):
     path = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with gguf_py_memo():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 @pytest.fixture(scope="module")

@@ -71,8 +71,9 @@ def _as_measured(spec: ModelSpec, result: dict) -> dict:
         raise ValueError("a bench forward result without settings.A.kernels predates the recorded kernel "
                          "choice: re-run bench forward")
     precision = _DTYPES.get(setting["dtype"], "fp32")
+    kv = _DTYPES.get(setting.get("kv_cache_dtype") or setting["dtype"], "fp32")   # recorded since the fifteenth round
     per_param = setting["cost"]["weight_bytes"] / (spec.dense_params_per_token + spec.lm_head_params)
-    return {"weight_precision": precision, "kv_precision": precision, "weight_bytes_per_param": per_param,
+    return {"weight_precision": precision, "kv_precision": kv, "weight_bytes_per_param": per_param,
             "quant_kernel": kernels["quant_kernel"], "dequantize_above_tokens": kernels["dense_above_rows"],
             "native_decode_attention": kernels["native_decode_attention"]}
 
@@ -259,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.key:
         from rackserve.bench.engine_code import merged
         from rackserve.sim.cpu_device import serve_key
-        key = serve_key(args.model)
+        key = serve_key(args.model, None, results[0]["settings"]["A"].get("kv_cache_dtype") if results else None)
         # Keyed only to the code that measured it, still the code here (else refused: re-measure).
         code = merged([r["settings"]["A"].get("engine_code") for r in results]
                       + [t["step_trace"].get("engine_code") for t in traces])

@@ -2,16 +2,16 @@
 quantization `rackserve serve` would run, found among the saved ones or measured on the spot.
 
 A calibration is keyed by what makes its step times true: the processor (model name, family and
-model, logical CPUs), the model, the dtype, the quantization and the kernels (resolved as `rackserve serve`
-resolves them: auto dtype by the CPU's flags, a GGUF's weights kept packed, the packed kernel
-`--quant-kernel auto` picks, the native library's build), and it is reused only while the code that
-computed its steps is unchanged (its engine_code record, bench/engine_code.py: the native library's
-digest, the step path's Python files, the native decode step's use). `rackserve sim --hardware cpu` looks
-in --calibration-dir (default ~/.cache/rackserve/sim), then in the calibrations shipped in
-sim/calibration/; when none matches it runs a quick `bench forward` (decode at batch 1-16 and
-context 256-2048, prefill of 256 tokens at batch 1 and 4 and of 64 at batch 1 and 2; a second
-each, in one child process so the simulator itself never imports torch), fits the device
-(calibrate.py) and saves it there for the next run. This file owns the key and the lookup; it must
+model, logical CPUs), the model, the dtype, the KV cache's dtype, the quantization and the kernels
+(resolved as `rackserve serve` resolves them: auto dtype by the CPU's flags, a GGUF's weights kept
+packed, the packed kernel `--quant-kernel auto` picks, the native library's build), and it is
+reused only while the code that computed its steps is unchanged (its engine_code record,
+bench/engine_code.py: the native library's digest, the step path's Python code, the native decode
+step's use). `rackserve sim --hardware cpu` looks in --calibration-dir (default
+~/.cache/rackserve/sim), then in the calibrations shipped in sim/calibration/; when none matches it
+runs a quick `bench forward` (decode at batch 1-16 and context 256-2048, prefill of 256 tokens at
+batch 1 and 4 and of 64 at batch 1 and 2; a second each, in one child process so the simulator
+itself never imports torch), fits the device (calibrate.py) and saves it there for the next run. This file owns the key and the lookup; it must
 never time a step itself.
 """
 from __future__ import annotations
@@ -42,9 +42,17 @@ def processor() -> str:
     return f"{cpu_identity()} x{os.cpu_count()}"
 
 
-def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
+# The KV caches `rackserve serve` keeps on a CPU, by the simulator's precision names and serve's.
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
+                   "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str | None = None) -> dict[str, str]:
     """What a calibration must have been measured with to price `rackserve serve --model MODEL`'s
-    steps on this machine (`quantization`: gguf or none; None: serve's auto)."""
+    steps on this machine (`quantization`: gguf or none; None: serve's auto; `kv_cache_dtype`: fp32,
+    fp16 or bf16 (or serve's names); None: serve's auto, the model's dtype). The KV cache's dtype
+    is in the key, not only its bytes: decode attention over a float16 cache runs another kernel,
+    partly bound by its arithmetic, than over a float32 one."""
     from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
     if quantization not in (None, "auto", "gguf", "none"):
         raise ValueError(f"--quantization {quantization} on cpu: rackserve serve runs gguf or none here")
@@ -56,8 +64,13 @@ def serve_key(model: str, quantization: str | None = None) -> dict[str, str]:
     # calibration measured with others prices steps that no longer run. Whether their code is still
     # the code here is the calibration's "engine_code" record (bench/engine_code.py), checked by find.
     kernel = resolve_quant_kernel("auto", quant, "cpu").name if quant == "gguf" else None
-    return {"processor": processor(), "model": model, "dtype": resolve_dtype("auto", "cpu")[0], "quantization": quant,
-            "quant_kernel": kernel, "native_isa": resolve_native_isa("auto", "cpu").isa}
+    dtype = resolve_dtype("auto", "cpu")[0]
+    if kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16 or bf16 "
+                         "KV caches here")
+    kv = dtype if kv_cache_dtype in (None, "auto") else KV_CACHE_DTYPES[kv_cache_dtype]
+    return {"processor": processor(), "model": model, "dtype": dtype, "quantization": quant, "quant_kernel": kernel,
+            "native_isa": resolve_native_isa("auto", "cpu").isa, "kv_cache_dtype": kv}
 
 
 def find(key: dict[str, str], directories: list[str]) -> str | None:
@@ -90,7 +103,8 @@ def _forward_args(key: dict[str, str], out: str, mode: str, max_model_len: int) 
         batches, tokens = (PREFILL_BATCHES, PREFILL_TOKENS) if mode == "prefill" else (MID_BATCHES, MID_TOKENS)
         args = ["--mode", "prefill", "--batch-sizes", batches, "--context-lens", "0", "--new-tokens", str(tokens)]
     return ["bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype", key["dtype"],
-            "--quantization", key["quantization"], "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
+            "--quantization", key["quantization"], "--kv-cache-dtype", key["kv_cache_dtype"],
+            "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
             *args, "--output", out]
 
 
@@ -133,32 +147,37 @@ def calibrate_now(key: dict[str, str], directory: str) -> str:
     hw, as_measured, measured = fit_forward_results(results, key["model"], "measured at run time by rackserve sim")
     code = merged([r["settings"]["A"].get("engine_code") for r in results])
     os.makedirs(directory, exist_ok=True)
-    safe = "".join(c if c.isalnum() else "-" for c in f"{key['model']}-{key['dtype']}-{key['quantization']}")
+    name = f"{key['model']}-{key['dtype']}-{key['quantization']}-kv-{key['kv_cache_dtype']}"
+    safe = "".join(c if c.isalnum() else "-" for c in name)
     path = os.path.join(directory, f"cpu-{safe}-{zlib.crc32(key['processor'].encode()):08x}.json")
     save(path, hw, as_measured, measured, [], ["rackserve", "sim", "--hardware", "cpu"], key, engine_code=code)
     print(f"rackserve sim: saved the cpu calibration to {path}", file=sys.stderr)
     return path
 
 
-def load_cpu_device(model: str, quantization: str | None, directory: str | None) -> tuple[Hardware, dict, str]:
+def load_cpu_device(model: str, quantization: str | None, directory: str | None,
+                    kv_cache_dtype: str | None = None) -> tuple[Hardware, dict, str]:
     """The `cpu` device for `model` (its calibration found or measured), what the model ran as when
     it was measured (calibrate.calibrated_spec), and the calibration's file."""
     from rackserve.sim.calibrate import load_calibration
     directory = directory or DEFAULT_DIR
-    key = serve_key(model, quantization)
+    if kv_cache_dtype not in (None, "fp32", "fp16", "bf16"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16 or bf16 KV "
+                         "caches here")
+    key = serve_key(model, quantization, kv_cache_dtype)
     path = find(key, [directory, SHIPPED_DIR]) or calibrate_now(key, directory)
     hw, as_measured = load_calibration(path)
     return hw, as_measured, path
 
 
-def load_device(hardware: str, model: str, quantization: str | None,
-                directory: str | None) -> tuple[Hardware, dict | None, str | None]:
+def load_device(hardware: str, model: str, quantization: str | None, directory: str | None,
+                kv_cache_dtype: str | None = None) -> tuple[Hardware, dict | None, str | None]:
     """--hardware resolved: a device of the table, `cpu` (found or measured for `model`), or a
     JSON file (a calibration's record of how the model ran comes with it); and the calibration file."""
     from rackserve.sim.calibrate import load_calibration
     from rackserve.sim.hardware import HARDWARE, load_hardware
     if hardware == "cpu":
-        return load_cpu_device(model, quantization, directory)
+        return load_cpu_device(model, quantization, directory, kv_cache_dtype)
     if hardware in HARDWARE or not os.path.isfile(hardware):
         return load_hardware(hardware), None, None
     hw, as_measured = load_calibration(hardware)
