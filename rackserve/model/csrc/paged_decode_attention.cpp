@@ -215,8 +215,8 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
 // s[g * s_stride + j ...]: G x KB accumulators, each loaded key chunk used by the G heads. Each
 // sum is added in the order of its vectors and then across lanes as score_keys_vec's.
 template <int G, int M, int KB>
-__attribute__((always_inline)) inline void score_group_tile(const float* q, const float* k, int64_t j, int64_t token_stride, float* s,
-                             int64_t s_stride) {
+__attribute__((always_inline)) inline void score_group_tile(const float* q, const float* k, int64_t j,
+                                                            int64_t token_stride, float* s, int64_t s_stride) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float), head_dim = M * lanes;
   constexpr int kSums = (G * KB + 7) / 8 * 8;
   Vec acc[kSums];
@@ -337,6 +337,11 @@ void add_values_group(const float* p, int64_t p_stride, const float* v, int64_t 
 // (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
 // already in the caches (the bench streams them from memory, as a step does).
 // The AVX-512 build (no grouped loops, not measured with the copy) reads a float32 block in place.
+#ifdef RS_GROUP_VEC
+constexpr bool kCopyF32 = true;
+#else
+constexpr bool kCopyF32 = false;
+#endif
 inline const float* widen_block(const float* b, int64_t count, float* wide) {
 #ifdef RS_GROUP_VEC
   std::memcpy(wide, b, count * sizeof(float));
@@ -464,7 +469,7 @@ int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, c
     const Part& p = parts[i];
     thread_local std::vector<float> scores, wide;
     const int64_t need = heads * (p.t_end - p.t_begin);
-    const int64_t block = block_size * kv_heads * head_dim;
+    const int64_t block = sizeof(T) < sizeof(float) || kCopyF32 ? block_size * kv_heads * head_dim : 0;
     if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
     if (static_cast<int64_t>(wide.size()) < block) wide.resize(block);
     attend_part(q + p.row * q_stride, k_cache, v_cache, tables + p.row * width, p.t_begin, p.t_end, heads, kv_heads,
