@@ -10,7 +10,9 @@
 // The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
 // one template over both: a half cache's block is widened by F16C, 16 (AVX-512) or 8 (AVX2) values
 // at a time, into a float32 block the same loops read, so a step reads half the bytes from memory,
-// and the query, the output and the arithmetic stay float32.
+// and the query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is
+// copied into that block the same way (widen_block), and a KV head's 2-4 query heads are scored
+// and accumulated against each loaded K/V row at once (score_group, add_values_group).
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_exp.h"
@@ -201,12 +204,153 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
   }
 }
 
-// A block's first `count` cache elements as float32: a float32 block as it is; a float16 one
-// widened once into `wide` (a block's floats, L1-resident), so that a KV head's query heads (GQA)
-// share each conversion and the float32 loops above read it. Converting at every load instead
-// took a lone decode at 384 tokens 1.85x the float32 cache's time on a Zen 1 with the bytes
-// cached: F16C's conversion is slower there than the FMA it feeds, and ran once per query head.
-inline const float* widen_block(const float* b, int64_t, float*) { return b; }
+#if defined(RS_VECTOR_KEYS) && !defined(__AVX512F__)
+#define RS_GROUP_VEC 1
+// A KV head's G query heads (GQA) against each K or V row loaded once, the AVX2 build: scored or
+// accumulated one query head at a time, every row was loaded from L1 G times, and on a Zen 1
+// (256-bit ops split in two halves, two loads a cycle) the loads per useful FMA bounded the
+// kernel as much as the memory did. The accumulators are register-blocked to fit AVX2's 16 ymm.
+
+// q . k of G query heads (q + g * head_dim) for KB keys from key j (token_stride apart) into
+// s[g * s_stride + j ...]: G x KB accumulators, each loaded key chunk used by the G heads. Each
+// sum is added in the order of its vectors and then across lanes as score_keys_vec's.
+template <int G, int M, int KB>
+__attribute__((always_inline)) inline void score_group_tile(const float* q, const float* k, int64_t j,
+                                                            int64_t token_stride, float* s, int64_t s_stride) {
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float), head_dim = M * lanes;
+  constexpr int kSums = (G * KB + 7) / 8 * 8;
+  Vec acc[kSums];
+  for (int i = 0; i < kSums; ++i) acc[i] = vzero();
+  for (int c = 0; c < M; ++c) {
+    Vec kc[KB];
+    for (int t = 0; t < KB; ++t) kc[t] = vload(k + (j + t) * token_stride + c * lanes);
+    for (int g = 0; g < G; ++g) {
+      const Vec qc = vload(q + g * head_dim + c * lanes);
+      for (int t = 0; t < KB; ++t) acc[g * KB + t] = vfma(qc, kc[t], acc[g * KB + t]);
+    }
+  }
+  alignas(32) float sums[kSums];
+  for (int i = 0; i < kSums; i += 8) store_sums(acc + i, sums + i);
+  for (int g = 0; g < G; ++g)
+    for (int t = 0; t < KB; ++t) s[g * s_stride + j + t] = sums[g * KB + t];
+}
+
+// KB: the keys of a tile, G x KB <= 12 accumulators.
+template <int G, int M>
+void score_group_vec(const float* q, const float* k, int64_t n, int64_t token_stride, float* s, int64_t s_stride) {
+  constexpr int KB = G == 2 ? 4 : 12 / G;
+  int64_t j = 0;
+  for (; j + KB <= n; j += KB) score_group_tile<G, M, KB>(q, k, j, token_stride, s, s_stride);
+  for (; j < n; ++j) score_group_tile<G, M, 1>(q, k, j, token_stride, s, s_stride);
+}
+
+// acc[g * acc_stride ...] += sum over j < n of p[g * p_stride + j] v_j for the G query heads:
+// head_dim in chunks of C vectors, G x C accumulators + G broadcast weights + the loaded chunk
+// in registers, each value chunk loaded once for the G heads.
+template <int G, int M>
+void add_values_group_vec(const float* p, int64_t p_stride, const float* v, int64_t n, int64_t token_stride,
+                          float* acc, int64_t acc_stride) {
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  constexpr int C = G <= 3 && M >= 4 ? 4 : 2;
+  for (int c0 = 0; c0 < M; c0 += C) {
+    Vec a[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) a[g][c] = vload(acc + g * acc_stride + (c0 + c) * lanes);
+    for (int64_t j = 0; j < n; ++j) {
+      Vec w[G];
+      for (int g = 0; g < G; ++g) w[g] = vset1(p[g * p_stride + j]);
+      for (int c = 0; c < C; ++c) {
+        const Vec vc = vload(v + j * token_stride + (c0 + c) * lanes);
+        for (int g = 0; g < G; ++g) a[g][c] = vfma(w[g], vc, a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) vstore(acc + g * acc_stride + (c0 + c) * lanes, a[g][c]);
+  }
+}
+
+// The grouped loops' instance for (group, head_dim) or null: groups of 2-4, head_dim of 2-16 vectors.
+template <typename F, template <int, int> class Pick>
+F pick_group(int64_t group, int64_t head_dim) {
+  constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
+  if (head_dim % lanes) return nullptr;
+  const int64_t m = head_dim / lanes;
+  auto by_m = [m](auto g) -> F {
+    constexpr int G = decltype(g)::value;
+    switch (m) {
+      case 2: return Pick<G, 2>::fn;
+      case 4: return Pick<G, 4>::fn;
+      case 8: return Pick<G, 8>::fn;
+      case 16: return Pick<G, 16>::fn;
+      default: return nullptr;
+    }
+  };
+  switch (group) {
+    case 2: return by_m(std::integral_constant<int, 2>{});
+    case 3: return by_m(std::integral_constant<int, 3>{});
+    case 4: return by_m(std::integral_constant<int, 4>{});
+    default: return nullptr;
+  }
+}
+using ScoreGroupFn = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t);
+using AddGroupFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+template <int G, int M>
+struct PickScore {
+  static constexpr ScoreGroupFn fn = score_group_vec<G, M>;
+};
+template <int G, int M>
+struct PickAdd {
+  static constexpr AddGroupFn fn = add_values_group_vec<G, M>;
+};
+#endif
+
+// A KV head's `group` query heads (q, head_dim apart) against n keys token_stride apart, into
+// s[g * s_stride ...]: all at once where the grouped loop takes the shape, else head by head.
+void score_group(const float* q, const float* k, int64_t n, int64_t group, int64_t head_dim, int64_t token_stride,
+                 float* s, int64_t s_stride) {
+#ifdef RS_GROUP_VEC
+  if (const ScoreGroupFn fn = pick_group<ScoreGroupFn, PickScore>(group, head_dim))
+    return fn(q, k, n, token_stride, s, s_stride);
+#endif
+  for (int64_t g = 0; g < group; ++g) score_keys(q + g * head_dim, k, n, head_dim, token_stride, s + g * s_stride);
+}
+
+// acc[g * acc_stride ...] += sum over j < n of p[g * p_stride + j] v_j, for a KV head's `group`
+// query heads, as score_group.
+void add_values_group(const float* p, int64_t p_stride, const float* v, int64_t n, int64_t group, int64_t head_dim,
+                      int64_t token_stride, float* acc, int64_t acc_stride) {
+#ifdef RS_GROUP_VEC
+  if (const AddGroupFn fn = pick_group<AddGroupFn, PickAdd>(group, head_dim))
+    return fn(p, p_stride, v, n, token_stride, acc, acc_stride);
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    add_values(p + g * p_stride, v, n, head_dim, token_stride, acc + g * acc_stride);
+}
+
+// A block's first `count` cache elements as float32 in `wide` (a block's floats, L1-resident),
+// which the float32 loops above read: a float16 block widened once, so that a KV head's query
+// heads (GQA) share each conversion (converting at every load took a lone decode at 384 tokens
+// 1.85x the float32 cache's time on a Zen 1: F16C's conversion is slower there than the FMA it
+// feeds); a float32 block copied, one sequential read of its bytes from memory that the grouped
+// loops' strided reads then find in L1. Without the copy the grouped loops ran a Zen 1 float32
+// step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
+// (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
+// already in the caches (the bench streams them from memory, as a step does).
+// The AVX-512 build (no grouped loops, not measured with the copy) reads a float32 block in place.
+#ifdef RS_GROUP_VEC
+constexpr bool kCopyF32 = true;
+#else
+constexpr bool kCopyF32 = false;
+#endif
+inline const float* widen_block(const float* b, int64_t count, float* wide) {
+#ifdef RS_GROUP_VEC
+  std::memcpy(wide, b, count * sizeof(float));
+  return wide;
+#else
+  (void)count, (void)wide;
+  return b;
+#endif
+}
 inline const float* widen_block(const half* b, int64_t count, float* wide) {
   int64_t i = 0;
 #ifdef RS_VECTOR_KEYS
@@ -239,7 +383,7 @@ inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0
 // Writes, per query head, the scores' max m, the sum l of exp(score - m) and acc = sum
 // exp(score - m) v, unnormalised: part[h * (head_dim + 2) ...] = acc[head_dim], m, l.
 // scores: scratch of heads * (t_end - t_begin); wide: of block_size * kv_heads * head_dim (a float16
-// cache's block widened, widen_block).
+// cache's block widened, a float32 one copied: widen_block).
 template <typename T>
 void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t t_begin,
                  int64_t t_end, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
@@ -256,8 +400,9 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
     const int64_t n = std::min(block_size, t_end - t0);
     prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
     const float* kb = widen_block(k_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
-    for (int64_t h = 0; h < heads; ++h)
-      score_keys(q + h * head_dim, kb + h / group * head_dim, n, head_dim, token_stride, scores + h * len + t0 - t_begin);
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      score_group(q + kv * group * head_dim, kb + kv * head_dim, n, group, head_dim, token_stride,
+                  scores + kv * group * len + t0 - t_begin, len);
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
@@ -274,9 +419,9 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
     const int64_t n = std::min(block_size, t_end - t0);
     prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
     const float* vb = widen_block(v_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
-    for (int64_t h = 0; h < heads; ++h)
-      add_values(scores + h * len + t0 - t_begin, vb + h / group * head_dim, n, head_dim, token_stride,
-                 part + h * (head_dim + 2));
+    for (int64_t kv = 0; kv < kv_heads; ++kv)
+      add_values_group(scores + kv * group * len + t0 - t_begin, len, vb + kv * head_dim, n, group, head_dim,
+                       token_stride, part + kv * group * (head_dim + 2), head_dim + 2);
   }
   _mm_setcsr(csr);
 }
@@ -324,7 +469,7 @@ int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, c
     const Part& p = parts[i];
     thread_local std::vector<float> scores, wide;
     const int64_t need = heads * (p.t_end - p.t_begin);
-    const int64_t block = sizeof(T) < sizeof(float) ? block_size * kv_heads * head_dim : 0;
+    const int64_t block = sizeof(T) < sizeof(float) || kCopyF32 ? block_size * kv_heads * head_dim : 0;
     if (static_cast<int64_t>(scores.size()) < need) scores.resize(need);
     if (static_cast<int64_t>(wide.size()) < block) wide.resize(block);
     attend_part(q + p.row * q_stride, k_cache, v_cache, tables + p.row * width, p.t_begin, p.t_end, heads, kv_heads,
