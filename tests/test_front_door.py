@@ -31,7 +31,8 @@ def fronts(tmp_path_factory):
                                        str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "128",
                                        "--kv-events-config", events], root / "instance.log")
         procs.append(proc)
-        fronts = {"router": ["router", "--worker", instance], "proxy": ["proxy", "--prefill", instance, "--decode", instance]}
+        fronts = {"router": ["router", "--worker", instance],
+                  "proxy": ["proxy", "--prefill", instance, "--decode", instance]}
         started = start_commands([([*args, "--uvicorn-log-level", "warning"], root / f"{name}.log")
                                   for name, args in fronts.items()], 60)
         urls = {name: url for name, (_, url) in zip(fronts, started)}

@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands, start_server, stop_all
+from tests.server_utils import (metric_totals, scrape_metrics, serve_args, start_command, start_commands, start_server,
+                                stop_all)
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 

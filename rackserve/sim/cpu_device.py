@@ -11,8 +11,8 @@ step's use). `rackserve sim --hardware cpu` looks in --calibration-dir (default
 ~/.cache/rackserve/sim), then in the calibrations shipped in sim/calibration/; when none matches it
 runs a quick `bench forward` (decode at batch 1-16 and context 256-2048, prefill of 256 tokens at
 batch 1 and 4 and of 64 at batch 1 and 2; a second each, in one child process so the simulator
-itself never imports torch), fits the device (calibrate.py) and saves it there for the next run. This file owns the key and the lookup; it must
-never time a step itself.
+itself never imports torch), fits the device (calibrate.py) and saves it there for the next run.
+This file owns the key and the lookup; it must never time a step itself.
 """
 from __future__ import annotations
 
