@@ -90,19 +90,21 @@ def _add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3)
 
 
-def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tuple[float, float, float]:
-    """(TTFT seconds, decode tokens/s after the first token, the median step's seconds)."""
+def _stream_once(llm, prompt: list[int], output_len: int, request_id: str) -> tuple[float, float, float, int]:
+    """(TTFT seconds, decode tokens/s after the first token, the median step's seconds, prompt
+    tokens the prefix cache served)."""
     from rackserve.sampling_params import SamplingParams
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.perf_counter()
     engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    times = []
+    times, cached = [], 0
     while engine.has_unfinished_requests():
-        if engine.step():
+        if outputs := engine.step():
             times.append(time.perf_counter())
+            cached = max(cached, *(o.num_cached_tokens for o in outputs))
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0]), statistics.median(
-        b - a for a, b in zip(times, times[1:]))
+        b - a for a, b in zip(times, times[1:])), cached
 
 
 def _timed_each(fn, prompts: list[list[int]]) -> tuple[list[tuple], int | None]:
@@ -148,7 +150,8 @@ def run_latency(args: argparse.Namespace) -> None:
               "mem_read_gbps_before_after": [limits_before.mem_read_gbps, limits_after.mem_read_gbps],
               "decode_step_bytes": step_bytes, "weight_read_limit_tok_s": limit_tps, **kernels,
               "rackserve": {"ttft_s": ttft, "decode_tok_s": tps, "median_step_tok_s": median_step_tps,
-                            "preemptions": preempted, "decode_steps": args.runs * (args.output_len - 1)}}
+                            "preemptions": preempted, "decode_steps": args.runs * (args.output_len - 1),
+                            "cached_prompt_tokens": sum(r[3] for r in runs)}}
     print(f"machine: {limits.describe()}; native library {kernels['native_isa']}, "
           f"quantized-linear kernel {kernels['quant_kernel']}")
     print(f"rackserve  TTFT {ttft * 1e3:7.1f} ms   decode {tps:6.1f} tok/s "
