@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 
-from tests.server_utils import metric_totals, start_command, start_server, stop_all
+from tests.server_utils import metric_totals, serve_args, start_command, start_commands, stop_all
 
 MODEL = "tiny-v4"
 FIRST = [3 + (i * 7) % 500 for i in range(45)]     # 11 blocks and a partial one, past the window
@@ -42,11 +41,11 @@ def test_deepseek_v4_through_the_proxy_matches_one_instance(tiny_deepseek_v4_kv_
         roles = {"prefill": ["--max-num-batched-tokens", "8", "--no-enable-prefix-caching",
                              "--kv-transfer-config", _kv_config("kv_producer")],
                  "decode": ["--kv-transfer-config", _kv_config("kv_consumer")]}
-        with ThreadPoolExecutor(2) as pool:   # both start at once: a core each
-            started = [pool.submit(start_server, base + flags, tmp_path / f"{name}.log")
-                       for name, flags in roles.items()]
-        procs += [f.result()[0] for f in started if f.exception() is None]
-        (_, prefill_url), (_, decode_url) = (f.result() for f in started)
+        # Both start at once: a core each.
+        started = start_commands([(serve_args(base + flags), tmp_path / f"{name}.log")
+                                  for name, flags in roles.items()])
+        procs += [proc for proc, _ in started]
+        (_, prefill_url), (_, decode_url) = started
         proxy, proxy_url = start_command(["proxy", "--prefill", prefill_url, "--decode", decode_url,
                                           "--uvicorn-log-level", "warning"], tmp_path / "proxy.log", timeout=60)
         procs.append(proxy)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from rackserve.distributed.parallel_state import free_port
-from tests.server_utils import metric_totals, scrape_metrics, start_command, start_server, stop_all
+from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
 
@@ -44,9 +43,8 @@ def pd(tmp_path_factory):
     roles = ["kv_producer", "kv_producer", "kv_consumer", "kv_consumer"]
     procs = []
     try:
-        with ThreadPoolExecutor(4) as pool:
-            started = list(pool.map(lambda i: start_server(base + _flags(roles[i]), root / f"instance{i}.log"),
-                                    range(4)))
+        started = start_commands([(serve_args(base + _flags(role)), root / f"instance{i}.log")
+                                  for i, role in enumerate(roles)])
         procs = [p for p, _ in started]
         (_, p0), (_, p1), (_, d0), (_, d1) = started
         router, url = start_command(["router", "--prefill-worker", p0, "--prefill-worker", p1, "--decode-worker", d0,
