@@ -32,6 +32,13 @@ def _attend(lib, q, k_cache, v_cache, tables, lens, scale, threads):
     return out
 
 
+def _paged_cache(g: torch.Generator, blocks: int, kv_heads: int, hd: int, dtype: torch.dtype, bs: int = 16):
+    """Random K and V caches of `blocks` blocks of `bs` tokens, and the block ids in shuffled order."""
+    k_cache = torch.randn(blocks, bs, kv_heads, hd, generator=g).to(dtype)
+    v_cache = torch.randn(blocks, bs, kv_heads, hd, generator=g).to(dtype)
+    return k_cache, v_cache, torch.randperm(blocks, generator=g).tolist()
+
+
 def _reference(q, k_cache, v_cache, tables, lens, scale):
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     rows = []
@@ -51,11 +58,8 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_head
     # SmolLM2's GQA (9 query heads on 3 KV heads) and others, blocks of 16 in shuffled order. Row
     # 0: 3001 tokens (each thread's parts span many blocks; the last block holds 9 tokens); row 1:
     # 5 tokens (fewer than a vector's keys); row 2: 700 (two parts a head at 2 threads when alone).
-    bs = 16
     g = torch.Generator().manual_seed(12)
-    k_cache = torch.randn(240, bs, kv_heads, hd, generator=g).to(dtype)
-    v_cache = torch.randn(240, bs, kv_heads, hd, generator=g).to(dtype)
-    order = torch.randperm(240, generator=g).tolist()
+    k_cache, v_cache, order = _paged_cache(g, 240, kv_heads, hd, dtype)
     tables = [order[:188], order[188:189] + [0] * 187, order[189:233] + [0] * 144]
     lens = [3001, 5, 700]
     q = torch.randn(3, heads, hd, generator=g) * 2       # scores spread wide: a peaked softmax
@@ -75,11 +79,8 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_head
 # score row, or a missed tail key, fails against the reference.
 @pytest.mark.parametrize("heads,kv_heads,hd", [(12, 3, 64), (12, 3, 16), (6, 2, 32), (6, 1, 64), (16, 2, 32)])
 def test_grouped_heads_match_torch(lib, heads, kv_heads, hd, dtype):
-    bs = 16
     g = torch.Generator().manual_seed(15)
-    k_cache = torch.randn(80, bs, kv_heads, hd, generator=g).to(dtype)
-    v_cache = torch.randn(80, bs, kv_heads, hd, generator=g).to(dtype)
-    order = torch.randperm(80, generator=g).tolist()
+    k_cache, v_cache, order = _paged_cache(g, 80, kv_heads, hd, dtype)
     tables = [order[:50], order[50:80] + [0] * 20]
     lens = [797, 471]          # ragged last blocks of 13 and 7 tokens
     q = torch.randn(2, heads, hd, generator=g) * 2
