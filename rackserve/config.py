@@ -215,7 +215,8 @@ class EngineArgs:
                                      "token ids and empty text, and only stop_token_ids or max_tokens "
                                      "end a request (no EOS is known without the tokenizer, as in vLLM)")
     dtype: str = _opt("auto", "weight and activation dtype; auto: bfloat16 on CPUs with native bf16 "
-                      "(amx_bf16 or avx512_bf16), float32 on other CPUs, bfloat16 on CUDA",
+                      "(amx_bf16 or avx512_bf16), except for a GGUF kept packed for the vnni or avx2 int8 "
+                      "kernel (they multiply float32 activations), float32 on other CPUs, bfloat16 on CUDA",
                       choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _opt("auto", "gguf: keep a GGUF's Q4_0/Q4_1/Q8_0 linear weights packed and "
                              "multiply them with --quant-kernel; none: dequantize them at load; "
@@ -307,12 +308,12 @@ class EngineArgs:
                  "num_gpu_blocks_override must be > 0")
         device = resolve_device(self.device)
         path = resolve_model_path(self.model)
-        dtype, dtype_reason = resolve_dtype(self.dtype, device)
         quantization = resolve_quantization(self.quantization, path)
         from rackserve.model.native import resolve_native_isa
         from rackserve.model.quant.kernel_choice import resolve_quant_kernel
         isa = resolve_native_isa(self.native_isa, device)
         kernel = resolve_quant_kernel(self.quant_kernel, quantization, device, isa.isa)
+        dtype, dtype_reason = resolve_dtype(self.dtype, device, kernel.name if quantization == "gguf" else None)
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
@@ -403,14 +404,15 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
-    """(dtype, why) for --dtype; auto on CPU follows what the CPU computes natively."""
+def resolve_dtype(dtype: str, device: str, packed_kernel: str | None = None) -> tuple[str, str]:
+    """(dtype, why) for --dtype; auto on CPU follows what the CPU computes natively and what
+    multiplies the weights (`packed_kernel`: the --quant-kernel of a packed GGUF, else None)."""
     if dtype != "auto":
         return dtype, "given by --dtype"
     if device != "cpu":
         return "bfloat16", "auto on cuda"
     from rackserve.cpu_dtype import choose_cpu_dtype, cpu_flags
-    choice = choose_cpu_dtype(cpu_flags())
+    choice = choose_cpu_dtype(cpu_flags(), packed_kernel)
     return choice.dtype, f"auto: {choice.reason}"
 
 

@@ -1,9 +1,16 @@
-"""`--dtype auto` on CPU: bfloat16 where the CPU computes it natively, float32 elsewhere.
+"""`--dtype auto` on CPU: bfloat16 where the CPU computes it natively and the weights are matmuls,
+float32 elsewhere.
 
 Native bf16 means AMX (amx_bf16) or AVX512-BF16 (avx512_bf16): there a bf16 matmul runs several
 times faster than fp32 and reads half the bytes. Without them (AMD Zen 2/3, Intel before Cooper
-Lake) bf16 is emulated by conversions and runs slower than fp32, so fp32 is the choice. The choice
-is a pure function of the flags the CPU reports, so it is tested from given flags. This file owns
+Lake) bf16 is emulated by conversions and runs slower than fp32, so fp32 is the choice. A GGUF
+whose linears stay packed for a native int8 kernel (--quant-kernel vnni or avx2) takes float32 on
+every CPU: those kernels multiply float32 activations and the native decode step is float32, so
+bf16 only adds conversions and loses that step (on a Zen 5 with avx512_bf16, SmolLM2's packed
+decode steps ran 2.6x slower at batch 1 and 1.6x at batch 8 in bf16, its 512-token prefill 1.2x;
+with dequantized weights bf16 was 1.9x faster at batch 1 and 2.6x in prefill: docs/benchmarks.md,
+sixteenth round). The choice is a pure function of the flags the CPU reports and that kernel, so
+it is tested from given flags. This file owns
 that rule and reading what the CPU says of itself (its flags, its model name, for every results
 file and calibration key); it must never import torch or read anything but /proc/cpuinfo.
 """
@@ -65,8 +72,17 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> str:
     return f"{name} family {numbers['cpu family']} model {numbers['model']}"
 
 
-def choose_cpu_dtype(flags: frozenset[str] | set[str]) -> DtypeChoice:
+# The --quant-kernel names whose packed GEMV/GEMM multiply float32 activations (model/csrc/).
+FLOAT32_PACKED_KERNELS = ("vnni", "avx2")
+
+
+def choose_cpu_dtype(flags: frozenset[str] | set[str], packed_kernel: str | None = None) -> DtypeChoice:
+    """`packed_kernel`: the kernel that multiplies the model's packed GGUF weights, None for none."""
     native = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if native and packed_kernel in FLOAT32_PACKED_KERNELS:
+        return DtypeChoice("float32", f"the GGUF's linears stay packed for the {packed_kernel} int8 kernel, which "
+                                      f"multiplies float32 activations, as the native decode step does (bf16, "
+                                      f"though native here ({', '.join(native)}), would only add conversions)")
     if native:
         return DtypeChoice("bfloat16", f"the CPU computes bf16 natively ({', '.join(native)})")
     return DtypeChoice("float32", f"the CPU reports none of {', '.join(NATIVE_BF16_FLAGS)}, so bf16 "

@@ -139,8 +139,9 @@ def test_profile_splits_the_step_by_layer_kind(request, model_fixture):
 
 
 def test_model_cost_counts_the_tiny_llama_by_hand(tiny_llama_dir):
-    # hidden 64, intermediate 128, 3 layers, 4 heads and 2 KV heads of 16, vocab 512, untied, fp32.
-    cost = model_cost(tiny_config(tiny_llama_dir).model)
+    # hidden 64, intermediate 128, 3 layers, 4 heads and 2 KV heads of 16, vocab 512, untied, fp32
+    # (given: auto would be bf16 on a CPU with native bf16).
+    cost = model_cost(tiny_config(tiny_llama_dir, dtype="float32").model)
     per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
     assert cost.linear_params == 3 * per_layer
     assert cost.lm_head_params == 512 * 64
@@ -154,7 +155,7 @@ def test_model_cost_counts_the_tiny_llama_by_hand(tiny_llama_dir):
 
 def test_model_cost_counts_routed_experts_by_their_share(tiny_qwen3_moe_dir):
     # 3 layers (layer 1 dense), 8 experts of intermediate 32, top-2, hidden 64, 4 heads and 2 KV heads of 32.
-    cost = model_cost(tiny_config(tiny_qwen3_moe_dir).model)
+    cost = model_cost(tiny_config(tiny_qwen3_moe_dir, dtype="float32").model)
     per_expert = 2 * 32 * 64 + 64 * 32
     assert (cost.num_experts, cost.experts_per_token) == (8, 2)
     assert cost.expert_params == 2 * 8 * per_expert and cost.expert_bytes == 4 * cost.expert_params
@@ -183,7 +184,7 @@ def test_parse_compare_builds_the_b_side():
 
 def test_command_runs_an_ab_and_writes_json(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "forward.json"
-    rc = cli.main(["bench", "forward", "--model", tiny_llama_dir, "--device", "cpu", "--batch-sizes", "1,2",
+    rc = cli.main(["bench", "forward", "--model", tiny_llama_dir, "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1,2",
                    "--context-lens", "0,20", "--seconds", "0.05", "--warmup-steps", "1",
                    "--compare", "dtype=bfloat16", "--compare", "dtype=bfloat16,block-size=32", "--output", str(out)])
     assert rc == 0

@@ -21,6 +21,28 @@ def test_auto_dtype_follows_native_bf16(flags, dtype):
         assert any(f in choice.reason for f in ("amx_bf16", "avx512_bf16"))
 
 
+@pytest.mark.parametrize("flags", [XEON_SAPPHIRE_RAPIDS, ZEN4, XEON_ICE_LAKE, ZEN3])
+@pytest.mark.parametrize("kernel,native_bf16_dtype", [("vnni", "float32"), ("avx2", "float32"), ("int4", "bfloat16"),
+                                                      (None, "bfloat16")])
+def test_a_gguf_packed_for_a_native_int8_kernel_stays_float32(flags, kernel, native_bf16_dtype):
+    """The vnni and avx2 kernels multiply float32 activations (and the native decode step is float32):
+    bf16 there was 2.6x slower per decode step on a Zen 5 with avx512_bf16. Torch's int4 kernel and
+    dequantized weights keep the bf16 rule."""
+    choice = choose_cpu_dtype(flags, kernel)
+    native = bool({"amx_bf16", "avx512_bf16"} & flags)
+    assert choice.dtype == (native_bf16_dtype if native else "float32")
+    if native and kernel in ("vnni", "avx2"):
+        assert kernel in choice.reason
+
+
+def test_engine_config_resolves_the_kernel_before_the_dtype(tmp_path):
+    from rackserve.config import smollm2_gguf_path
+    config = EngineArgs(model=smollm2_gguf_path(), device="cpu").create_engine_config().model
+    packed = config.quant_kernel if config.quantization == "gguf" else None
+    assert (config.dtype, config.dtype_reason) == resolve_dtype("auto", "cpu", packed)
+    assert config.dtype == choose_cpu_dtype(cpu_flags(), packed).dtype
+
+
 def test_cpu_flags_read_from_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")

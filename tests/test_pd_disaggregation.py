@@ -46,7 +46,10 @@ def cluster(tmp_path_factory):
     model_dir = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=512)
     save_test_tokenizer(str(root / "tokenizer"), VOCAB)
     base = ["--model", model_dir, "--tokenizer", str(root / "tokenizer"), "--served-model-name", MODEL,
-            "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", "4"]
+            "--device", "cpu", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--block-size", "4",
+            # float32: the tokens must match across two instances' different batches, which bf16 (auto
+            # on a CPU with native bf16) rounds differently enough to flip the tiny model's near-ties.
+            "--dtype", "float32"]
     procs = []
     try:
         urls, pids = {}, {}

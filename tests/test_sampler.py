@@ -180,6 +180,20 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_top_k():
     assert out.logprobs[0].sampled_rank == 1
 
 
+def test_tied_logprobs_are_listed_by_token_id_so_greedys_token_comes_first():
+    """bf16 logits tie often: the top list orders ties by token id, the one argmax takes, and a tie
+    at its k-th place keeps the lowest ids (topk alone orders and picks ties as it likes)."""
+    logits = torch.full((2, 64), -5.0)
+    logits[0, [40, 9, 33, 21]] = 2.0               # a four-way tie for the top, two of them listed
+    logits[1, 50] = 3.0
+    logits[1, [60, 12, 30]] = 1.0                  # one place left for three tied tokens
+    out = Sampler(0, CPU)(logits, [row(temperature=0.0, logprobs=2), row(temperature=0.0, logprobs=2)])
+    assert out.token_ids == [9, 50]
+    assert out.logprobs[0].top_token_ids == [9, 21] and out.logprobs[0].sampled_rank == 4   # ties count ahead
+    assert out.logprobs[1].top_token_ids == [50, 12]
+    assert out.logprobs[1].top_logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[12].item())
+
+
 def test_logprobs_only_for_rows_that_ask():
     logits = random_logits(2)
     out = Sampler(0, CPU)(logits, [row(temperature=0.0), row(temperature=0.0, logprobs=1)])

@@ -150,12 +150,14 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     assert len(saved) == 1 and results[0]["sim"]["calibration"] == results[1]["sim"]["calibration"] == str(saved[0])
     calibration = json.loads(saved[0].read_text())
     assert calibration["key"] == cpu_device.serve_key(tiny_llama_dir)
-    assert calibration["key"]["kv_cache_dtype"] == "float32"
-    assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == "fp32"
+    assert calibration["key"]["kv_cache_dtype"] == calibration["key"]["dtype"]     # serve's auto: the model's
+    precision = {"float32": "fp32", "bfloat16": "bf16"}[calibration["key"]["dtype"]]   # bf16 on a native-bf16 CPU
+    assert calibration["key"]["quantization"] == "none" and calibration["spec"]["weight_precision"] == precision
     # What the engine ran, as bench forward recorded it: no packed kernel; decodes padded unless native.
     assert calibration["spec"]["quant_kernel"] is None and calibration["spec"]["dequantize_above_tokens"] is None
     assert calibration["pads_decodes"] is not calibration["spec"]["native_decode_attention"]
-    assert calibration["spec"]["native_decode_attention"] is (calibration["key"]["native_isa"] != "none")
+    assert calibration["spec"]["native_decode_attention"] is (calibration["key"]["native_isa"] != "none"
+                                                              and precision == "fp32")
     # The code that ran, read from the engine: its native build, its step path's files; no native
     # decode step for unpacked weights.
     code = calibration["engine_code"]

@@ -263,7 +263,8 @@ def _cutoffs(logits: torch.Tensor, rows: torch.Tensor, desc: torch.Tensor, k: to
 def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
                      params: list[SamplingParams]) -> list[LogprobsLists | None]:
     """The sampled token's logprob and rank (1 = most likely; ties count ahead, as vLLM) and the
-    top k = params.logprobs, for the rows that asked."""
+    top k = params.logprobs, for the rows that asked, tied values by token id (the one greedy's
+    argmax takes first: bf16 logits tie often, and topk orders ties as it likes)."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = torch.tensor(rows, device=raw_logprobs.device)
     logprobs = raw_logprobs[index]
@@ -272,9 +273,20 @@ def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
     sampled_list = sampled.squeeze(1).tolist()
     k_max = max(params[i].logprobs for i in rows)
     top_values, top_ids = logprobs.topk(k_max, dim=-1)
+    ks = torch.tensor([params[i].logprobs for i in rows], device=logprobs.device)
+    crossing = [False] * len(rows)
+    if k_max:
+        last = top_values.gather(1, (ks - 1).clamp(min=0).unsqueeze(1))     # each row's k-th value
+        crossing = ((logprobs >= last).sum(dim=-1) > ks).tolist()           # ties past its k-th: topk chose among them
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     out: list[LogprobsLists | None] = [None] * len(params)
     for j, i in enumerate(rows):
         k = params[i].logprobs
-        out[i] = LogprobsLists(sampled_list[j], ranks[j], top_ids[j][:k], top_values[j][:k])
+        top = list(zip(top_values[j][:k], top_ids[j][:k]))
+        if k and crossing[j]:
+            above = [(v, t) for v, t in top if v > top[-1][0]]
+            tied = (logprobs[j] == top[-1][0]).nonzero()[:k - len(above), 0].tolist()   # the lowest ids
+            top = above + [(top[-1][0], t) for t in tied]
+        top.sort(key=lambda pair: (-pair[0], pair[1]))
+        out[i] = LogprobsLists(sampled_list[j], ranks[j], [t for _, t in top], [v for v, _ in top])
     return out

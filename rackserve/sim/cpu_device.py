@@ -64,7 +64,7 @@ def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str |
     # calibration measured with others prices steps that no longer run. Whether their code is still
     # the code here is the calibration's "engine_code" record (bench/engine_code.py), checked by find.
     kernel = resolve_quant_kernel("auto", quant, "cpu").name if quant == "gguf" else None
-    dtype = resolve_dtype("auto", "cpu")[0]
+    dtype = resolve_dtype("auto", "cpu", kernel)[0]
     if kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16 or bf16 "
                          "KV caches here")
