@@ -180,9 +180,10 @@ def run_latency(args: argparse.Namespace) -> None:
         peer, peer_preempted = _timed_each(lambda p: hf_stream_timing(model, p, args.output_len), prompts[1:])
         hf_ttft = statistics.median(r[0] for r in peer)
         hf_tps = statistics.median(r[1] for r in peer)
-        result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps, "preemptions": peer_preempted}
+        hf_dtype = str(model.dtype).removeprefix("torch.")
+        result["hf"] = {"ttft_s": hf_ttft, "decode_tok_s": hf_tps, "preemptions": peer_preempted, "dtype": hf_dtype}
         result["decode_ratio_vs_hf"] = tps / hf_tps
-        print(f"HF         TTFT {hf_ttft * 1e3:7.1f} ms   decode {hf_tps:6.1f} tok/s")
+        print(f"HF         TTFT {hf_ttft * 1e3:7.1f} ms   decode {hf_tps:6.1f} tok/s ({hf_dtype})")
         print(f"rackserve / HF decode: {tps / hf_tps:.2f}x")
     _write(args.output, result)
 
@@ -241,9 +242,11 @@ def run_throughput(args: argparse.Namespace) -> None:
         from rackserve.bench.hf_peer import hf_batched_generate_seconds, load_hf_model
         model = load_hf_model(engine_args.model)
         hf_s = hf_batched_generate_seconds(model, requests, args.peer_batch_size)
-        result["hf"] = {"seconds": hf_s, "processed_tok_s": total / hf_s, "batch_size": args.peer_batch_size}
+        hf_dtype = str(model.dtype).removeprefix("torch.")
+        result["hf"] = {"seconds": hf_s, "processed_tok_s": total / hf_s, "batch_size": args.peer_batch_size,
+                        "dtype": hf_dtype}
         result["ratio_vs_hf"] = hf_s / elapsed
         print(f"HF         {hf_s:7.1f} s   {total / hf_s:6.1f} processed tok/s "
-              f"(generate, static batches of {args.peer_batch_size})")
+              f"(generate, static batches of {args.peer_batch_size}, {hf_dtype})")
         print(f"rackserve / HF: {hf_s / elapsed:.2f}x")
     _write(args.output, result)
