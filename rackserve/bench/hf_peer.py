@@ -14,16 +14,18 @@ from rackserve.config import resolve_model_path
 
 
 def best_cpu_dtype() -> torch.dtype:
-    """The peer's best dtype on this CPU: transformers dequantizes a GGUF, so its matmuls are dense,
-    and bf16 wins where the CPU computes it natively (cpu_dtype.py's rule for unpacked weights;
-    on a Zen 5 with avx512_bf16 our own dense decode steps ran 1.9x faster in bf16)."""
+    """The peer's best dtype on this CPU, measured: bf16 where the CPU computes it natively
+    (cpu_dtype.py's rule for weights no native int8 kernel multiplies). transformers warns that its
+    packed GGUF kernels compute in float32, yet on a Zen 5 with avx512_bf16 it decoded SmolLM2's
+    GGUF 1.78x faster in bf16 in one interleaved run (bench/hf_peer_dtype.py; docs/benchmarks.md,
+    sixteenth round)."""
     from rackserve.cpu_dtype import choose_cpu_dtype, cpu_flags
     return getattr(torch, choose_cpu_dtype(cpu_flags()).dtype)
 
 
 def load_hf_model(model: str, dtype: torch.dtype | None = None):
-    """transformers' own loading of a .gguf file or an HF directory (it dequantizes GGUF itself), in
-    `dtype` (default: best_cpu_dtype())."""
+    """transformers' own loading of a .gguf file or an HF directory, in `dtype` (default:
+    best_cpu_dtype())."""
     import transformers
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
