@@ -16,6 +16,7 @@ from rackserve import LLM, SamplingParams
 from rackserve.core.hashing import block_hashes
 from rackserve.core.request import Request
 from rackserve.distributed.parallel_state import free_port
+from rackserve.executor.worker import WorkerError
 from tests.test_kv_transfer_store import PROMPT, GREEDY, _store, pool, want  # noqa: F401 - fixtures
 
 KW = dict(dtype="float32", device="cpu", max_model_len=256, num_gpu_blocks_override=64, block_size=4)
@@ -108,6 +109,10 @@ def test_a_dp_rank_on_a_second_node_serves_its_blocks(tiny_llama_dir, tmp_path):
             assert [g.num_cached_tokens for g in got] == [len(p) - 1 for p in PROMPTS]
             _drain(pre, dec)
         assert node1.wait(timeout=30) == 0, log.read_text()
+    except WorkerError as e:    # node 1's side of a failed start (once, under the whole suite: a gloo read reset)
+        node1.kill()
+        node1.wait()
+        raise AssertionError(f"node 0 failed; node 1's log:\n{log.read_text()[-4000:]}") from e
     finally:
         node1.kill()
 
