@@ -55,3 +55,19 @@ def test_a_completion_answer_is_the_bytes_pydantic_writes():
             logprobs=CompletionLogProbs(**comp._logprobs(c.token_ids, c.logprobs, 0)) if c.logprobs else None,
             prompt_token_ids=[1, 2], token_ids=c.token_ids) for i, c in choices]})
         assert comp._json(empty, choices, {0: [1, 2]}, 3, True) == whole.model_dump_json().encode()
+
+
+def test_a_stream_event_is_one_line_to_every_line_splitter():
+    """A token's text may hold U+2028, U+2029 or NEL, which str.splitlines and httpx's aiter_lines
+    take for line breaks: each event escapes them, so it reads back as one line and the same text."""
+    import json
+
+    import httpx
+
+    from rackserve.serve.serving_engine import sse
+    text = "a\u2028b\u2029c\x85d\x0be\x1cf\ng\u00e9"
+    event = sse(CompletionResponse(id="x", created=0, model="m", choices=[
+        CompletionResponseChoice(index=0, text=text, finish_reason=None)]))
+    lines = [line for line in httpx.Response(200, content=event.encode()).iter_lines() if line]
+    assert len(lines) == 1 == len([line for line in event.splitlines() if line])
+    assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == text

@@ -48,9 +48,15 @@ class OpenAIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
 
+# U+2028, U+2029 and NEL are line breaks to str.splitlines and to clients that read a stream that way
+# (httpx's aiter_lines): model_dump_json writes them raw inside strings, which cut an event in two for
+# those clients (a tiny model's text did, in the flood test). Escaped, as JSON allows, an event is one line.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(chunk: BaseModel | dict) -> str:
     data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 def splice_json(text: str | bytes, key: str, raw: bytes | list[bytes],
