@@ -1,7 +1,7 @@
 """The native decode step (model/native_decode.py): a step of decodes through one native call gives
 the tokens and logprobs of the module path, and transformers' greedy tokens, on a tiny Llama GGUF
-kept packed (batched decodes of different lengths over scattered blocks, a padded qkv tile); and
-it stays off, with its reason, where an op has no native form. Skipped where the native library
+kept packed (batched decodes of different lengths over scattered blocks, a padded qkv tile) and
+on its dense float32 HF copy; and it stays off, with its reason, where an op has no native form. Skipped where the native library
 cannot run.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ def tiny_gguf(tmp_path_factory) -> tuple[str, object]:
     return write_gguf(hf, str(root / "tiny.gguf"), "llama", [Q.Q4_1]), hf
 
 
-def _generate(path: str, native: bool, monkeypatch, isa: str, kv_cache_dtype: str = "auto") -> tuple[list, int]:
+def _generate(path: str, native: bool, monkeypatch, isa: str, kv_cache_dtype: str = "auto",
+              quantization: str = "gguf") -> tuple[list, int]:
     """Token ids and logprobs of PROMPTS, and how many steps ran natively."""
     steps = []
     forward = native_decode.NativeDecoder.forward
@@ -55,7 +56,8 @@ def _generate(path: str, native: bool, monkeypatch, isa: str, kv_cache_dtype: st
         if not native:
             m.setattr(model_runner, "native_decoder", lambda model: None)
         with LLM(path, device="cpu", dtype="float32", num_gpu_blocks_override=32, block_size=4, max_model_len=64,
-                 skip_tokenizer_init=True, quantization="gguf", native_isa=isa, kv_cache_dtype=kv_cache_dtype) as llm:
+                 skip_tokenizer_init=True, quantization=quantization, native_isa=isa,
+                 kv_cache_dtype=kv_cache_dtype) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
             llm.engine.core.scheduler.check_integrity()
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(steps)
@@ -101,9 +103,29 @@ def test_a_float16_kv_cache_decodes_natively_as_the_module_path(tiny_gguf, monke
             assert all(abs(lp.logprob - ref_step[token].logprob) < 1e-4 for token, lp in step.items())
 
 
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def test_a_dense_float32_checkpoint_decodes_natively_as_the_module_path(tiny_gguf, monkeypatch, isa):
+    # HF's safetensors copy of the same tiny Llama: its linears are dense float32 weights, which
+    # the loop multiplies with rs_dense_gemv (the module path's few rows take it too, through
+    # native_ops.linear; with the library off they are F.linear: the reference below).
+    _, hf = tiny_gguf
+    path = hf.name_or_path
+    ours, native_steps = _generate(path, True, monkeypatch, isa, quantization="auto")
+    ref, none = _generate(path, False, monkeypatch, "none", quantization="auto")
+    assert none == 0 and native_steps == max(p.max_tokens for p in PARAMS) - 1, "every decode step ran natively"
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(ours, ref):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs):
+            assert step.keys() == ref_step.keys()
+            assert all(abs(lp.logprob - ref_step[token].logprob) < 1e-4 for token, lp in step.items())
+
+
 def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, tiny_qwen2_dir):
     dense, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "float32", "cpu", None, 0))
-    assert "packed" in native_decode.supports(dense)
+    assert "KV cache" in native_decode.supports(dense)       # its linears qualify: dense float32
+    bf16, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "bfloat16", "cpu", None, 0))
+    assert "dense float32" in native_decode.supports(bf16)
     biased, _ = load_model(ModelConfig(tiny_qwen2_dir, "tiny", tiny_qwen2_dir, "float32", "cpu", None, 0))
     assert "dense Llama" in native_decode.supports(biased)
 

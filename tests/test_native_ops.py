@@ -1,6 +1,6 @@
 """The native library's fused decode ops (model/native_ops.py) against the torch forms they
 replace, on float32 CPU rows: residual add + RMSNorm (and its residual updated in place), SiLU-and-
-mul, and neox RoPE in place on a fused qkv row; and the torch forms where the library does not run
+mul, neox RoPE in place on a fused qkv row, and a dense weight's GEMV for a decode step's rows; and the torch forms where the library does not run
 (bf16, --native-isa none). Each test runs on both builds (avx512 and avx2: an AVX-512 machine runs
 both), skipped where a build cannot build or run (its reason is the skip reason).
 """
@@ -45,6 +45,32 @@ def test_add_rms_norm_matches_torch_and_updates_the_residual(rows):
     out_b, _ = native_ops.add_rms_norm(hb, None, w.bfloat16(), 1e-6)
     assert out_b.dtype == torch.bfloat16
     torch.testing.assert_close(out_b.float(), _rms(h, w, 1e-6), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 16])
+@pytest.mark.parametrize("n,k", [(130, 67), (7, 33), (1536, 576)])      # tails of 4 outputs and of a vector
+def test_dense_linear_matches_f_linear_for_a_decode_steps_rows(rows, n, k):
+    torch.manual_seed(rows + n)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    ref = (x.double() @ w.double().T + b.double()).float()
+    y = native_ops.linear(x, w, b)
+    assert y.shape == (rows, n) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    # A wrong row, column or stride would be off by whole products; the weight's rows in another
+    # order give other outputs, so each output is its own row's dot product.
+    assert torch.allclose(native_ops.linear(x, w.flip(0)), ref.sub(b).flip(1), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_dense_linear_leaves_more_rows_and_other_dtypes_to_torch(monkeypatch):
+    calls = []
+    lib = native_ops.library()
+    monkeypatch.setattr(native_ops, "library", lambda: type("L", (), {"rs_dense_gemv": lambda *a: calls.append(a) or 0})())
+    w = torch.randn(8, 16)
+    native_ops.linear(torch.randn(native_ops.DENSE_GEMV_ROWS + 1, 16), w)
+    native_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    native_ops.linear(torch.randn(16, 2).T, w)        # x not contiguous
+    assert calls == [] and lib is not None
+    native_ops.linear(torch.randn(2, 16), w)
+    assert len(calls) == 1
 
 
 def test_silu_and_mul_matches_torch():

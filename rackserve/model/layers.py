@@ -84,11 +84,11 @@ class Linear(QuantizedWeight, nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T, on the packed weight when it stayed quantized."""
-        return F.linear(x, self.weight) if self.quant is None else self.quant(x)
+        return native_ops.linear(x, self.weight) if self.quant is None else self.quant(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
-            return F.linear(x, self.weight, self.bias)
+            return native_ops.linear(x, self.weight, self.bias)
         y = self.quant(x)
         return y if self.bias is None else y + self.bias
 
@@ -275,7 +275,7 @@ class LMHead(VocabEmbedding):
             self.weight = self.tied_weight = tied_embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight) if self.quant is None else self.quant(hidden, EXACT_TOP_LOGITS)
+        logits = native_ops.linear(hidden, self.weight) if self.quant is None else self.quant(hidden, EXACT_TOP_LOGITS)
         if self.tp.world_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]

@@ -2,11 +2,12 @@
 query (a batch of decodes) runs all the layers in one call of the native library
 (csrc/decode_loop.cpp) instead of ~30 Python dispatches and ~10 native calls per layer.
 
-`NativeDecoder` lays out, once per model, the pointers that call needs (each layer's norms, packed
+`NativeDecoder` lays out, once per model, the pointers that call needs (each layer's norms,
 weights and their GEMV, and KV cache), so a step only passes its own tensors: the embedded tokens,
 cos/sin, the slot mapping and the attention metadata's block tables and lengths. It runs where
 every op of the layer has a native form: float32 on CPU (the KV cache float32 or float16),
-weights kept packed by a native GEMV kernel (quant/vnni_linear.py), no biases, no tensor
+weights kept packed by a native GEMV kernel (quant/vnni_linear.py) or dense float32 ones (an
+HF checkpoint run in float32: csrc/dense_gemv.cpp's rs_dense_gemv), no biases, no tensor
 parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
 everything else (prefill chunks, mixed steps, other models, dtypes and devices, torch.compile) runs
 the modules, which compute the same values (tests/test_native_decode.py). This file must never change what a layer computes.
@@ -57,8 +58,10 @@ def supports(model: nn.Module) -> str | None:
         return "only the dense Llama decoder (no biases, q/k norms or MoE) has a native decode step"
     linears = [m for l in body.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
                                                 l.mlp.down_proj)]
-    if not all(isinstance(m.quant, VnniLinear) and m.bias is None for m in linears):
-        return "its linears are not all kept packed for a native GEMV kernel (--quantization gguf, --quant-kernel vnni)"
+    if not all(m.bias is None and (isinstance(m.quant, VnniLinear) or m.quant is None and _dense_float32(m.weight))
+               for m in linears):
+        return ("its linears are neither kept packed for a native GEMV kernel (--quantization gguf, --quant-kernel "
+                "vnni or avx2) nor dense float32 CPU weights, or have biases")
     # Only qkv's output may be padded to whole tiles: the loop reads it with its row stride.
     if any(_linear(m).width != m.output_size for l in body.layers for m in (l.self_attn.o_proj, l.mlp.gate_up_proj,
                                                                              l.mlp.down_proj)):
@@ -81,7 +84,14 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+def _dense_float32(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
 def _linear(module: nn.Module) -> _Linear:
+    if module.quant is None:        # a dense float32 weight: rs_dense_gemv, a row a "tile"
+        gemv = ctypes.cast(native_ops.library().rs_dense_gemv, ctypes.c_void_p).value
+        return _Linear(gemv, module.weight.data_ptr(), module.output_size, module.output_size, 0)
     gemv, tile = module.quant.native_gemv()
     tiles = module.quant.packed.shape[0]
     return _Linear(gemv, module.quant.packed.data_ptr(), tiles, tiles * tile, module.quant.kind)

@@ -1,7 +1,8 @@
 """Ops of the native CPU library (csrc/, built by native.py) for float32 CPU tensors, each with the
 plain-torch form it replaces, which runs wherever the library does not (another dtype or device,
 a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py and avx2_linear.py,
-and the fused decode ops that turn a layer's ~30 small torch ops around its matmuls into 4 calls
+the GEMV of a dense float32 weight for a decode step's few rows, and the fused decode ops that
+turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
 attention reading the paged KV cache, float32 or float16, in place), each a Python dispatch less that a batch-1
 decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the
@@ -22,6 +23,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx512 build's GEMV
     "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
+    "rs_dense_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],       # both builds' GEMV of a float32 weight
     "rs_avx2_set_many_rows": [_I64],                                # its few/many-rows crossover (tests)
     "rs_prefill_attention": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_prefill_attention_f16": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
@@ -95,6 +97,26 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         lib.rs_add_rms_norm(h.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, h.shape[0], h.shape[1],
                             out.data_ptr())
     return out, residual
+
+
+# Rows up to which `linear` takes the native GEMV: at 1-16 rows rs_dense_gemv ran 1.1-6.6x torch's
+# F.linear on SmolLM2's float32 weights (2 threads, a Zen 5 and its avx2 build; docs/benchmarks.md,
+# seventeenth round); a prefill chunk's rows are torch's GEMM's.
+DENSE_GEMV_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for a dense weight [n, k]: a decode step's few rows of float32 on the native GEMV
+    (bound by the weight's bytes), anything else F.linear."""
+    plain = x.dim() == 2 and x.shape[0] <= DENSE_GEMV_ROWS and x.is_contiguous() and weight.is_contiguous()
+    lib = _native(x, weight) if plain and x.shape[1] > 0 else None
+    if lib is None:
+        return F.linear(x, weight, bias)
+    y = x.new_empty(x.shape[0], weight.shape[0])
+    rc = lib.rs_dense_gemv(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], 0, y.data_ptr(),
+                           torch.get_num_threads())
+    assert rc == 0, "rs_dense_gemv refused its arguments"
+    return y if bias is None else y.add_(bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,78 @@
+// y [rows, n] = x [rows, k] W^T for a dense float32 weight W [n, k] (row-major, as torch keeps a
+// Linear's weight): the GEMV of the native decode step (decode_loop.cpp) for a model whose weights
+// are not kept packed (an HF safetensors checkpoint run in float32), with rs_vnni_gemv's signature
+// so the loop calls it through the same pointer. A decode step's GEMV is bound by the weight's
+// bytes: each thread streams its own run of output rows, four at a time (four sequential reads the
+// prefetcher follows), and every row of x meets those four rows while they are in L1; the sums are
+// float32 in lanes, then across them (another order than torch's GEMM: the same values up to
+// float32 rounding). Built into both ISAs' libraries: 16 lanes with AVX-512, 8 with AVX2.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float sum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+constexpr int64_t kOut = 4;     // output rows a pass: 4 accumulators and 4 weight loads a vector of x
+
+// y[r * n + j + i] for i < R: x row r against weight rows j .. j + R - 1.
+template <int R>
+void dot_rows(const float* w, int64_t k, const float* x, int64_t rows, float* y, int64_t n, int64_t j) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * k;
+    Vec acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = zero();
+    int64_t c = 0;
+    for (; c + kLanes <= k; c += kLanes) {
+      const Vec xv = load(xr + c);
+      for (int i = 0; i < R; ++i) acc[i] = fma(load(w + (j + i) * k + c), xv, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) {
+      float s = sum(acc[i]);
+      for (int64_t t = c; t < k; ++t) s += w[(j + i) * k + t] * xr[t];
+      y[r * n + j + i] = s;
+    }
+  }
+}
+
+}  // namespace
+
+// kind: 0 (a float32 weight; the one kind so far). Returns 0, or -1 for arguments it cannot take.
+extern "C" int rs_dense_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* weight, int64_t n, int kind,
+                             float* y, int threads) {
+  if (rows < 0 || k < 1 || n < 0 || kind != 0 || threads < 1) return -1;
+  const float* w = reinterpret_cast<const float*>(weight);
+  // At least 64 output rows a thread: below that a parallel region costs more than it shares.
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / 64)));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
+    // Whole groups of kOut rows a thread, in one run of memory each.
+    const int64_t groups = n / kOut, ga = groups * id / count, gb = groups * (id + 1) / count;
+    for (int64_t g = ga; g < gb; ++g) dot_rows<kOut>(w, k, x, rows, y, n, g * kOut);
+    if (id == count - 1)
+      for (int64_t j = groups * kOut; j < n; ++j) dot_rows<1>(w, k, x, rows, y, n, j);
+  }
+  return 0;
+}
