@@ -238,18 +238,22 @@ def test_a_decoder_starts_remote_kv_loads_while_prompts_wait(tiny_llama_dir):
             temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
         engine = decoder.engine
         engine.add_request("stream", {"prompt_token_ids": [7, 8, 9]},
-                           SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
         engine.step()   # its prompt goes: from now on it decodes, and prompts wait
         engine.add_request("local", {"prompt_token_ids": list(range(20, 32))},
                            SamplingParams(temperature=0.0, max_tokens=2))
         engine.add_request("pd", {"prompt_token_ids": pd_prompt}, SamplingParams(
             temperature=0.0, max_tokens=4, kv_transfer_params=pre.kv_transfer_params))
         got: dict[str, list[int]] = {}
-        for _ in range(40):
+        # Paced by the clock, not a count of steps: the load lands after some wall time, and a
+        # native decode step of this tiny model takes well under a millisecond. The stream's 120
+        # tokens at >= 5 ms a step give the load >= 0.6 s while prompts wait.
+        for _ in range(120):
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             if len(got.get("pd", [])) == 4:
                 break
+            time.sleep(0.005)
         assert got.get("pd") == want.outputs[0].token_ids, "the P/D request waited for the prompts"
         assert "local" not in got, "the local prompt went although the stream still decodes"
         while engine.has_unfinished_requests():

@@ -1,9 +1,9 @@
 // The decode step of a dense Llama-style decoder in one call: every layer (RMSNorm with the
 // residual, fused qkv, RoPE, the KV cache write, paged attention, o_proj, RMSNorm, gate_up,
 // SiLU-and-mul, down) and the final norm, for a batch of single-token queries, with the ops of
-// this library and the packed weights' own GEMV. In Python each layer is ~30 dispatches and
-// ctypes calls around ~10 small native calls, which a batch-1 decode step of SmolLM2 paid more
-// for than for its attention. model/native_decode.py lays out the structs below once per model
+// this library and the weights' own GEMV (a packed kernel's, or dense_gemv.cpp's). In Python
+// each layer is ~30 dispatches and ctypes calls around ~10 small native calls, which a batch-1
+// decode step of SmolLM2 paid more for than for its attention. model/native_decode.py lays out the structs below once per model
 // (the pointers of every layer's weights and KV cache) and calls rs_decode_layers once per step;
 // the torch path computes the same (tests/test_native_decode.py). This file must never allocate
 // tensors nor decide when it runs: the caller passes every buffer. The KV cache is float32 or
@@ -30,8 +30,8 @@ int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, const uint16
                                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                   float* out, int threads);
 
-// A quantized GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs
-// whichever kernel packed the weights.
+// A GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs whichever
+// kernel packed the weights, or rs_dense_gemv for a dense float32 weight (a row a "tile").
 typedef int (*RsGemv)(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, int kind,
                       float* y, int threads);
 

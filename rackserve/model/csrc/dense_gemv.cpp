@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -18,6 +19,10 @@ namespace {
 constexpr int64_t kLanes = 16;
 using Vec = __m512;
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+// bfloat16 is float32's top half: widened exactly by a shift into the top of each lane.
+inline Vec load(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 inline Vec zero() { return _mm512_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
@@ -25,6 +30,9 @@ inline float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
 inline Vec zero() { return _mm256_setzero_ps(); }
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float sum(Vec v) {
@@ -34,11 +42,19 @@ inline float sum(Vec v) {
 }
 #endif
 
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 constexpr int64_t kOut = 4;     // output rows a pass: 4 accumulators and 4 weight loads a vector of x
 
 // y[r * n + j + i] for i < R: x row r against weight rows j .. j + R - 1.
-template <int R>
-void dot_rows(const float* w, int64_t k, const float* x, int64_t rows, float* y, int64_t n, int64_t j) {
+template <typename T, int R>
+void dot_rows(const T* w, int64_t k, const float* x, int64_t rows, float* y, int64_t n, int64_t j) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
     Vec acc[R];
@@ -50,19 +66,14 @@ void dot_rows(const float* w, int64_t k, const float* x, int64_t rows, float* y,
     }
     for (int i = 0; i < R; ++i) {
       float s = sum(acc[i]);
-      for (int64_t t = c; t < k; ++t) s += w[(j + i) * k + t] * xr[t];
+      for (int64_t t = c; t < k; ++t) s += widen(w[(j + i) * k + t]) * xr[t];
       y[r * n + j + i] = s;
     }
   }
 }
 
-}  // namespace
-
-// kind: 0 (a float32 weight; the one kind so far). Returns 0, or -1 for arguments it cannot take.
-extern "C" int rs_dense_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* weight, int64_t n, int kind,
-                             float* y, int threads) {
-  if (rows < 0 || k < 1 || n < 0 || kind != 0 || threads < 1) return -1;
-  const float* w = reinterpret_cast<const float*>(weight);
+template <typename T>
+void gemv(const float* x, int64_t rows, int64_t k, const T* w, int64_t n, float* y, int threads) {
   // At least 64 output rows a thread: below that a parallel region costs more than it shares.
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / 64)));
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -70,9 +81,20 @@ extern "C" int rs_dense_gemv(const float* x, int64_t rows, int64_t k, const uint
     const int64_t id = omp_get_thread_num(), count = omp_get_num_threads();
     // Whole groups of kOut rows a thread, in one run of memory each.
     const int64_t groups = n / kOut, ga = groups * id / count, gb = groups * (id + 1) / count;
-    for (int64_t g = ga; g < gb; ++g) dot_rows<kOut>(w, k, x, rows, y, n, g * kOut);
+    for (int64_t g = ga; g < gb; ++g) dot_rows<T, kOut>(w, k, x, rows, y, n, g * kOut);
     if (id == count - 1)
-      for (int64_t j = groups * kOut; j < n; ++j) dot_rows<1>(w, k, x, rows, y, n, j);
+      for (int64_t j = groups * kOut; j < n; ++j) dot_rows<T, 1>(w, k, x, rows, y, n, j);
   }
+}
+
+}  // namespace
+
+// kind: 0 a float32 weight, 1 a bfloat16 one (multiplied in float32). Returns 0, or -1 for
+// arguments it cannot take.
+extern "C" int rs_dense_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* weight, int64_t n, int kind,
+                             float* y, int threads) {
+  if (rows < 0 || k < 1 || n < 0 || kind < 0 || kind > 1 || threads < 1) return -1;
+  if (kind == 0) gemv(x, rows, k, reinterpret_cast<const float*>(weight), n, y, threads);
+  else gemv(x, rows, k, reinterpret_cast<const uint16_t*>(weight), n, y, threads);
   return 0;
 }
