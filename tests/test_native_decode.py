@@ -1,7 +1,7 @@
 """The native decode step (model/native_decode.py): a step of decodes through one native call gives
 the tokens and logprobs of the module path, and transformers' greedy tokens, on a tiny Llama GGUF
 kept packed (batched decodes of different lengths over scattered blocks, a padded qkv tile) and
-on its dense float32 HF copy; and it stays off, with its reason, where an op has no native form. Skipped where the native library
+on its dense HF copy in float32 (and in bfloat16, within the module path's top 3); and it stays off, with its reason, where an op has no native form. Skipped where the native library
 cannot run.
 """
 from __future__ import annotations
@@ -121,11 +121,50 @@ def test_a_dense_float32_checkpoint_decodes_natively_as_the_module_path(tiny_ggu
             assert all(abs(lp.logprob - ref_step[token].logprob) < 1e-4 for token, lp in step.items())
 
 
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    (why := unavailable_reason(isa=isa)) is not None, reason=str(why))) for isa in ISAS])
+def test_a_bfloat16_checkpoint_decodes_natively_within_the_module_paths_top5(tiny_gguf, monkeypatch, isa):
+    # The HF copy in bfloat16 (bf16 weights, KV cache and prefill): the loop multiplies the bf16
+    # weights in float32 (rs_dense_gemv kind 1), writes K/V rounded to bf16 and reads them with the
+    # bf16 attention entry, where the modules round every activation to bf16. vLLM's rule for runs
+    # of different precision: at the first token where a request's two runs differ, each side's
+    # token is in the other's top 3; and most requests do not differ at all.
+    path = tiny_gguf[1].name_or_path
+    steps = []
+    forward = native_decode.NativeDecoder.forward
+
+    def counted(self, *args):
+        out = forward(self, *args)
+        steps.append(out is not None)
+        return out
+
+    runs = []
+    for native in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(native_decode.NativeDecoder, "forward", counted)
+            if not native:
+                m.setattr(model_runner, "native_decoder", lambda model: None)
+            with LLM(path, device="cpu", dtype="bfloat16", num_gpu_blocks_override=32, block_size=4, max_model_len=64,
+                     skip_tokenizer_init=True, native_isa=isa) as llm:
+                runs.append(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS))
+                llm.engine.core.scheduler.check_integrity()
+    assert sum(steps) == max(p.max_tokens for p in PARAMS) - 1, "every decode step of the first run ran natively"
+    identical = 0
+    for a, b in zip(*runs):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        diverged = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if diverged is None:
+            identical += 1
+            continue
+        assert ta[diverged] in b.outputs[0].logprobs[diverged] and tb[diverged] in a.outputs[0].logprobs[diverged]
+    assert identical >= 2, identical
+
+
 def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, tiny_qwen2_dir):
     dense, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "float32", "cpu", None, 0))
     assert "KV cache" in native_decode.supports(dense)       # its linears qualify: dense float32
-    bf16, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "bfloat16", "cpu", None, 0))
-    assert "dense float32" in native_decode.supports(bf16)
+    half, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "float16", "cpu", None, 0))
+    assert "dense float32 or bfloat16" in native_decode.supports(half)
     biased, _ = load_model(ModelConfig(tiny_qwen2_dir, "tiny", tiny_qwen2_dir, "float32", "cpu", None, 0))
     assert "dense Llama" in native_decode.supports(biased)
 

@@ -1,9 +1,9 @@
 """Paged decode attention of the native library (csrc/paged_decode_attention.cpp) at long contexts,
 against softmax(q k^T) v in torch on the tokens gathered by hand: a context split over threads
 into parts of whole blocks and merged, keys scored a vector's width at a time, the ragged last
-block and head sizes the vector path does not take; over a float32 cache and a float16 one (its
-own entry point, which widens each block once), the reference computed in float64 from the very values
-the cache holds. Runs on both builds (avx512, avx2).
+block and head sizes the vector path does not take; over a float32 cache, a float16 one and a
+bfloat16 one (their own entry points, which widen each block once), the reference computed in
+float64 from the very values the cache holds. Runs on both builds (avx512, avx2).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def _attend(lib, q, k_cache, v_cache, tables, lens, scale, threads):
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty(rows, heads * hd)
     table, lens = torch.tensor(sum(tables, [])), torch.tensor(lens)      # alive through the call
-    fn = {torch.float32: lib.rs_paged_decode_attention, torch.float16: lib.rs_paged_decode_attention_f16}[k_cache.dtype]
+    fn = {torch.float32: lib.rs_paged_decode_attention, torch.float16: lib.rs_paged_decode_attention_f16,
+          torch.bfloat16: lib.rs_paged_decode_attention_bf16}[k_cache.dtype]
     assert fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                          table.data_ptr(), len(tables[0]), lens.data_ptr(), rows, heads,
                                          kv_heads, hd, bs, scale, out.data_ptr(), threads) == 0
@@ -50,7 +51,7 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
 # 24: the plain loop on avx512, the vector path on avx2; 20: the plain loop on both.
 @pytest.mark.parametrize("hd", [64, 128, 24, 20])
@@ -71,7 +72,7 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_head
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 # On avx2 a KV head's group of 2-4 query heads is scored and accumulated against each K/V row
 # loaded once (register-blocked); groups 3 and 4 take tiles of 4 and 3 keys, so a block of 16
 # leaves a 1-key tail at group 4; head_dim 16 and 32: 2 and 4 vectors (the value chunk of 2 and 4);
@@ -99,6 +100,6 @@ def test_the_startup_banner_says_what_reads_a_16_bit_cache(tiny_llama_dir):
         return kv_cache_line(EngineArgs(model=tiny_llama_dir, device="cpu", dtype="float32",
                                         kv_cache_dtype=kv_dtype).create_engine_config())
     assert line("auto") == line("float32") == ""
-    assert "gathers it and runs SDPA" in line("bfloat16")
     native = choose_isa().isa != "none"
-    assert ("native attention kernels read it" if native else "gathers it") in line("float16")
+    assert ("native attention kernels read it" if native else "gathers it and runs SDPA") in line("float16")
+    assert ("native decode attention reads it" if native else "gathers it and runs SDPA") in line("bfloat16")

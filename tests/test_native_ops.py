@@ -47,7 +47,7 @@ def test_add_rms_norm_matches_torch_and_updates_the_residual(rows):
     torch.testing.assert_close(out_b.float(), _rms(h, w, 1e-6), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 16])
 @pytest.mark.parametrize("n,k", [(130, 67), (7, 33), (1536, 576)])      # tails of 4 outputs and of a vector
 def test_dense_linear_matches_f_linear_for_a_decode_steps_rows(rows, n, k):
     torch.manual_seed(rows + n)
@@ -58,6 +58,21 @@ def test_dense_linear_matches_f_linear_for_a_decode_steps_rows(rows, n, k):
     # A wrong row, column or stride would be off by whole products; the weight's rows in another
     # order give other outputs, so each output is its own row's dot product.
     assert torch.allclose(native_ops.linear(x, w.flip(0)), ref.sub(b).flip(1), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])       # 5: a block of 4 rows (2 on avx2) and a row on its own
+@pytest.mark.parametrize("n,k", [(130, 67), (1536, 576)])
+def test_dense_gemv_of_a_bfloat16_weight_is_the_float32_product_of_its_values(rows, n, k):
+    # Kind 1 (a bf16 model's weights in the native decode step): each weight widened exactly,
+    # multiplied by float32 rows in float32.
+    torch.manual_seed(n + rows)
+    x, w = torch.randn(rows, k), torch.randn(n, k).bfloat16()
+    y = torch.empty(rows, n)
+    lib = native_ops.library()
+    assert lib.rs_dense_gemv(x.data_ptr(), rows, k, w.data_ptr(), n, 1, y.data_ptr(), 2) == 0
+    ref = (x.double() @ w.double().T).float()
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    assert lib.rs_dense_gemv(x.data_ptr(), rows, k, w.data_ptr(), n, 2, y.data_ptr(), 2) == -1     # no kind 2
 
 
 def test_dense_linear_leaves_more_rows_and_other_dtypes_to_torch(monkeypatch):
@@ -107,8 +122,16 @@ def test_paged_decode_attention_reads_scattered_blocks_in_place():
         v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
         p = (torch.einsum("hd,nhd->hn", q[r], k) * 0.25).softmax(-1)
         torch.testing.assert_close(out[r].view(heads, hd), torch.einsum("hn,nhd->hd", p, v), rtol=1e-5, atol=1e-5)
-    assert native_ops.paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), torch.tensor(sum(tables, [])),
-                                             torch.tensor(lens), 0.25) is None
+    # A bfloat16 cache (a bf16 model's), under a float32 or a bfloat16 query: read natively, each
+    # value widened exactly, the output in the query's dtype; a float16 query is torch's.
+    def attend(q, k, v):
+        return native_ops.paged_decode_attention(q, k, v, torch.tensor(sum(tables, [])), torch.tensor(lens), 0.25)
+    kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
+    torch.testing.assert_close(attend(q, kb, vb), attend(q, kb.float(), vb.float()), rtol=1e-6, atol=1e-6)
+    out_b = attend(q.bfloat16(), kb, vb)
+    assert out_b.dtype == torch.bfloat16
+    assert torch.equal(out_b, attend(q.bfloat16().float(), kb.float(), vb.float()).bfloat16())
+    assert attend(q.half(), k_cache.half(), v_cache.half()) is None
 
 
 def test_each_build_holds_its_own_isa_and_none_wider(isa):

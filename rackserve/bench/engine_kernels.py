@@ -5,9 +5,9 @@ simulator's cpu cost model prices the kernel that really ran (sim/calibrate.py):
 - the packed linears' kernel (ModelConfig.quant_kernel, `auto` resolved as the loader resolves it)
   and its `dense_above_rows`, the step size above which it dequantizes and runs a dense GEMM;
 - whether decode attention is the native paged kernel, which reads each sequence's own blocks in
-  place (model/native_ops.paged_decode_attention: float32 queries over a float32 or float16 KV
-  cache on a CPU where the native library runs, in the "torch" backend of Llama-like models; a
-  bfloat16 cache takes the fallback), or SDPA over the step's decodes
+  place (model/native_ops.paged_decode_attention: float32 or bfloat16 queries over a float32,
+  float16 or bfloat16 KV cache on a CPU where the native library runs, in the "torch" backend of
+  Llama-like models), or SDPA over the step's decodes
   gathered and padded to the longest one (model/torch_attention.py's fallback).
 
 This file must never time anything nor choose a kernel (config.py and quant/kernel_choice.py do).
@@ -42,8 +42,8 @@ def engine_kernels(model_config: ModelConfig, kv_cache_dtype: str | None = None)
     # The build the engine's fused ops call (loader.py: native_ops.use_isa), avx2 on a Zen: not
     # only the avx512 one.
     isa = resolve_native_isa(model_config.native_isa, model_config.device).isa
-    native = (model_config.device == "cpu" and model_config.dtype == "float32"
-              and (kv_cache_dtype or model_config.dtype) in ("float32", "float16")
+    native = (model_config.device == "cpu" and model_config.dtype in ("float32", "bfloat16")
+              and (kv_cache_dtype or model_config.dtype) in ("float32", "float16", "bfloat16")
               and isa != "none" and unavailable_reason(isa=isa) is None
               and not _own_attention_backend(model_config))
     return {"quant_kernel": kernel, "dense_above_rows": dense_above, "native_decode_attention": native}

@@ -5,12 +5,16 @@ query (a batch of decodes) runs all the layers in one call of the native library
 `NativeDecoder` lays out, once per model, the pointers that call needs (each layer's norms,
 weights and their GEMV, and KV cache), so a step only passes its own tensors: the embedded tokens,
 cos/sin, the slot mapping and the attention metadata's block tables and lengths. It runs where
-every op of the layer has a native form: float32 on CPU (the KV cache float32 or float16),
-weights kept packed by a native GEMV kernel (quant/vnni_linear.py) or dense float32 ones (an
-HF checkpoint run in float32: csrc/dense_gemv.cpp's rs_dense_gemv), no biases, no tensor
-parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
+every op of the layer has a native form: a float32 or bfloat16 model on CPU (the KV cache float32,
+float16 or bfloat16), weights kept packed by a native GEMV kernel (quant/vnni_linear.py) or dense
+float32 or bfloat16 ones (an HF checkpoint: csrc/dense_gemv.cpp's rs_dense_gemv), no biases, no
+tensor parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
 everything else (prefill chunks, mixed steps, other models, dtypes and devices, torch.compile) runs
-the modules, which compute the same values (tests/test_native_decode.py). This file must never change what a layer computes.
+the modules, which compute the same values (tests/test_native_decode.py). Activations are float32
+inside the call whatever the model's dtype: a bfloat16 model's decode steps compute at float32
+precision on its bf16 weights (its norm weights and RoPE tables widened exactly), where its
+modules round every activation to bf16, so they agree as a bf16 run agrees with a float32 one.
+This file must never change what a module computes.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ class _Layer(ctypes.Structure):
 
 class _Decoder(ctypes.Structure):
     _fields_ = [(name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                          "block_size", "wide", "kv_half")]
+                                          "block_size", "wide", "kv_dtype")]
     _fields_ += [("eps", _F), ("scale", _F), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _P)]
 
 
@@ -58,10 +62,10 @@ def supports(model: nn.Module) -> str | None:
         return "only the dense Llama decoder (no biases, q/k norms or MoE) has a native decode step"
     linears = [m for l in body.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj,
                                                 l.mlp.down_proj)]
-    if not all(m.bias is None and (isinstance(m.quant, VnniLinear) or m.quant is None and _dense_float32(m.weight))
+    if not all(m.bias is None and (isinstance(m.quant, VnniLinear) or m.quant is None and _dense(m.weight))
                for m in linears):
         return ("its linears are neither kept packed for a native GEMV kernel (--quantization gguf, --quant-kernel "
-                "vnni or avx2) nor dense float32 CPU weights, or have biases")
+                "vnni or avx2) nor dense float32 or bfloat16 CPU weights, or have biases")
     # Only qkv's output may be padded to whole tiles: the loop reads it with its row stride.
     if any(_linear(m).width != m.output_size for l in body.layers for m in (l.self_attn.o_proj, l.mlp.gate_up_proj,
                                                                              l.mlp.down_proj)):
@@ -74,24 +78,30 @@ def supports(model: nn.Module) -> str | None:
     if type(attn.attn.impl) is not TorchAttentionBackend or body.rotary_emb.cos.shape[-1] != attn.head_dim:
         return "it needs the torch attention backend and RoPE over whole heads"
     tensors = [t for l in body.layers for t in (l.input_layernorm.weight, l.post_attention_layernorm.weight)]
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-               for t in [*tensors, body.norm.weight, body.embed_tokens.weight, body.rotary_emb.cos]):
-        return "its weights are not float32 CPU tensors"
+    tensors += [body.norm.weight, body.embed_tokens.weight, body.rotary_emb.cos]
+    if not all(t.dtype == tensors[0].dtype and _dense(t) for t in tensors):
+        return "its norms, embedding and RoPE tables are not float32 or bfloat16 CPU tensors of one dtype"
     caches = [t for l in body.layers for t in l.self_attn.attn.kv_cache]
     if not all(t.dtype == caches[0].dtype and t.device.type == "cpu" and t.is_contiguous() for t in caches) \
-            or caches[0].dtype not in (torch.float32, torch.float16):
-        return "its KV cache is not float32 or float16 CPU tensors of one dtype"
+            or caches[0].dtype not in KV_DTYPES:
+        return "its KV cache is not float32, float16 or bfloat16 CPU tensors of one dtype"
     return None
 
 
-def _dense_float32(weight: torch.Tensor) -> bool:
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+# decode_loop.cpp's RsKvDtype, and rs_dense_gemv's kind, by dtype.
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _dense(weight: torch.Tensor) -> bool:
+    return weight.dtype in DENSE_KINDS and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def _linear(module: nn.Module) -> _Linear:
-    if module.quant is None:        # a dense float32 weight: rs_dense_gemv, a row a "tile"
+    if module.quant is None:        # a dense weight: rs_dense_gemv, a row a "tile"
         gemv = ctypes.cast(native_ops.library().rs_dense_gemv, ctypes.c_void_p).value
-        return _Linear(gemv, module.weight.data_ptr(), module.output_size, module.output_size, 0)
+        return _Linear(gemv, module.weight.data_ptr(), module.output_size, module.output_size,
+                       DENSE_KINDS[module.weight.dtype])
     gemv, tile = module.quant.native_gemv()
     tiles = module.quant.packed.shape[0]
     return _Linear(gemv, module.quant.packed.data_ptr(), tiles, tiles * tile, module.quant.kind)
@@ -103,19 +113,23 @@ class NativeDecoder:
     def __init__(self, model: nn.Module):
         self.body = body = model.model
         attn = body.layers[0].self_attn
-        layers = [_Layer(l.input_layernorm.weight.data_ptr(), l.post_attention_layernorm.weight.data_ptr(),
+        # A bfloat16 model's norm weights widened once (exactly); the activations stay float32.
+        self.dtype = body.norm.weight.dtype
+        self._norms = [t.float().contiguous() for l in body.layers
+                       for t in (l.input_layernorm.weight, l.post_attention_layernorm.weight)] + [body.norm.weight.float()]
+        layers = [_Layer(self._norms[2 * i].data_ptr(), self._norms[2 * i + 1].data_ptr(),
                          _linear(l.self_attn.qkv_proj), _linear(l.self_attn.o_proj), _linear(l.mlp.gate_up_proj),
                          _linear(l.mlp.down_proj), l.self_attn.attn.kv_cache[0].data_ptr(),
                          l.self_attn.attn.kv_cache[1].data_ptr())
-                  for l in body.layers]
+                  for i, l in enumerate(body.layers)]
         self._layers = (_Layer * len(layers))(*layers)
         inter, hidden = body.layers[0].mlp.down_proj.input_size, body.norm.weight.shape[0]
         wide = max(2 * inter, *(l.qkv.width for l in layers))
         self.kv_dtype = attn.attn.kv_cache[0].dtype
         self.decoder = _Decoder(len(layers), hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, inter,
-                                attn.attn.kv_cache[0].shape[1], wide, int(self.kv_dtype == torch.float16),
-                                body.layers[0].input_layernorm.eps,
-                                attn.attn.impl.scale, self._layers, body.norm.weight.data_ptr())
+                                attn.attn.kv_cache[0].shape[1], wide, KV_DTYPES[self.kv_dtype],
+                                body.layers[0].input_layernorm.eps, attn.attn.impl.scale, self._layers,
+                                self._norms[-1].data_ptr())
         self.scratch_per_row = 2 * hidden + wide + attn.num_heads * attn.head_dim + inter
         self.lib = native_ops.library()
         fn = self.lib.rs_decode_layers
@@ -133,8 +147,8 @@ class NativeDecoder:
         if (not isinstance(metadata, TorchAttentionMetadata) or metadata.prefills or rows == 0
                 or not isinstance(metadata.decode_rows, slice) or metadata.decode_rows != slice(0, rows)):
             return None
-        residual = self.body.embed_tokens(input_ids)
-        cos, sin = self.body.rotary_emb(positions)
+        residual = self.body.embed_tokens(input_ids).float()
+        cos, sin = (t.float().contiguous() for t in self.body.rotary_emb(positions))
         tables, lens, slots = metadata.decode_block_tables, metadata.decode_lens, metadata.slot_mapping
         assert tables.dtype == lens.dtype == slots.dtype == torch.int64 and tables.is_contiguous()
         scratch = torch.empty(rows * self.scratch_per_row)
@@ -144,7 +158,7 @@ class NativeDecoder:
                                        lens.data_ptr(), scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
                                        None if self.seconds is None else ctypes.addressof(self.seconds))
         assert rc == 0, "rs_decode_layers: a GEMV refused its arguments"
-        return out
+        return out.to(self.dtype)
 
 
 def native_decoder(model: nn.Module) -> NativeDecoder | None:
@@ -154,8 +168,9 @@ def native_decoder(model: nn.Module) -> NativeDecoder | None:
         logger.info("native decode step off: %s", why_not)
         return None
     decoder = NativeDecoder(model)
-    half = decoder.kv_dtype == torch.float16
-    logger.info("native decode step on: a step of decodes runs every layer in one native call (KV cache %s%s)",
+    half = decoder.kv_dtype != torch.float32
+    logger.info("native decode step on: a step of decodes runs every layer in one native call (%s weights, "
+                "float32 activations; KV cache %s%s)", str(decoder.dtype).removeprefix("torch."),
                 str(decoder.kv_dtype).removeprefix("torch."),
                 ", written rounded to nearest even, read widened to float32" if half else "")
     return decoder

@@ -4,7 +4,7 @@ a CPU without AVX2, no compiler): the quantized GEMVs of quant/vnni_linear.py an
 the GEMV of a dense float32 weight for a decode step's few rows, and the fused decode ops that
 turn a layer's ~30 small torch ops around its matmuls into 4 calls
 (residual add + RMSNorm as vLLM's fused_add_rms_norm, SiLU-and-mul, RoPE in place, and decode
-attention reading the paged KV cache, float32 or float16, in place), each a Python dispatch less that a batch-1
+attention reading the paged KV cache, float32, float16 or bfloat16, in place), each a Python dispatch less that a batch-1
 decode step pays per op. The ops call the build `use_isa` names (--native-isa; default: the
 CPU's widest, native.choose_isa), one per process as torch's thread count is. This file must never
 decide what a layer computes: both forms give the same values up to float rounding.
@@ -32,6 +32,7 @@ _SIGNATURES = {
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_paged_decode_attention_f16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_paged_decode_attention_bf16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
 }
 
 
@@ -170,26 +171,31 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-_DECODE_CACHE_DTYPES = {torch.float32: "rs_paged_decode_attention", torch.float16: "rs_paged_decode_attention_f16"}
+_DECODE_CACHE_DTYPES = {torch.float32: "rs_paged_decode_attention", torch.float16: "rs_paged_decode_attention_f16",
+                        torch.bfloat16: "rs_paged_decode_attention_bf16"}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
-    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim]. The
-    caches are float32 or float16 (IEEE half, each block widened once to float32 into a scratch
-    the float32 loops read); q is float32. None where the native library cannot (the caller gathers and runs SDPA)."""
+    found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim] in q's
+    dtype. The caches are float32, float16 or bfloat16 (a 16-bit cache's blocks widened once to
+    float32 into a scratch the float32 loops read); a bfloat16 q (a bf16 model's) is widened and
+    the output rounded back, the arithmetic float32. None where the native library cannot (the
+    caller gathers and runs SDPA)."""
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
              and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
              and k_cache.dtype == v_cache.dtype and k_cache.dtype in _DECODE_CACHE_DTYPES)
-    lib = _native(q) if plain else None
+    qf = q.float() if plain and q.dtype == torch.bfloat16 and q.device.type == "cpu" else q
+    lib = _native(qf) if plain else None
     if (lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
         return None
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    out = q.new_empty(rows, heads * head_dim)
+    out = qf.new_empty(rows, heads * head_dim)
     attend = getattr(lib, _DECODE_CACHE_DTYPES[k_cache.dtype])
-    attend(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[0] // rows,
-           lens.data_ptr(), rows, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
-    return out
+    attend(qf.data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+           tables.shape[0] // rows, lens.data_ptr(), rows, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(),
+           torch.get_num_threads())
+    return out.to(q.dtype)

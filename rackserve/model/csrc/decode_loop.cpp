@@ -6,9 +6,11 @@
 // decode step of SmolLM2 paid more for than for its attention. model/native_decode.py lays out the structs below once per model
 // (the pointers of every layer's weights and KV cache) and calls rs_decode_layers once per step;
 // the torch path computes the same (tests/test_native_decode.py). This file must never allocate
-// tensors nor decide when it runs: the caller passes every buffer. The KV cache is float32 or
-// float16 (RsDecoder.kv_half): a float16 one is written rounded to nearest even, as torch's
-// .to(float16) rounds, and read by rs_paged_decode_attention_f16.
+// tensors nor decide when it runs: the caller passes every buffer. Activations are float32 (a
+// bfloat16 model's norm weights, cos and sin come widened; its dense weights are multiplied in
+// float32 by rs_dense_gemv). The KV cache is float32, float16 or bfloat16 (RsDecoder.kv_dtype): a
+// 16-bit one is written rounded to nearest even, as torch's .to() rounds, and read by its own
+// rs_paged_decode_attention_* entry.
 #include <immintrin.h>
 
 #include <chrono>
@@ -29,6 +31,10 @@ int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, const uint16
                                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                   float* out, int threads);
+int rs_paged_decode_attention_bf16(const float* q, int64_t q_stride, const uint16_t* k_cache,
+                                   const uint16_t* v_cache, const int64_t* tables, int64_t width, const int64_t* lens,
+                                   int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                   float scale, float* out, int threads);
 
 // A GEMV of the library (rs_vnni_gemv's signature), passed as a pointer: the loop runs whichever
 // kernel packed the weights, or rs_dense_gemv for a dense float32 weight (a row a "tile").
@@ -48,14 +54,14 @@ struct RsDecoderLayer {
   const float* input_norm;
   const float* post_norm;
   RsLinear qkv, o, gate_up, down;
-  void* k_cache;            // [blocks, block_size, kv_heads, head_dim], of RsDecoder.kv_half's dtype
+  void* k_cache;            // [blocks, block_size, kv_heads, head_dim], of RsDecoder.kv_dtype
   void* v_cache;
 };
 
 struct RsDecoder {
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
   int64_t wide;             // the wider of a qkv and a gate_up output row
-  int64_t kv_half;          // 1: every layer's KV cache is float16 (IEEE half bits); 0: float32
+  int64_t kv_dtype;         // every layer's KV cache: 0 float32, 1 float16 (IEEE half bits), 2 bfloat16
   float eps, scale;
   const RsDecoderLayer* layers;
   const float* final_norm;
@@ -86,14 +92,25 @@ class Clock {
   double last_;
 };
 
-// n floats of a token's K or V into its cache slot at dst: float32 as they are, or float16
-// rounded to nearest even (F16C, 8 at a time).
-void store_kv(void* dst, const float* src, int64_t n, bool half) {
-  if (!half) {
+enum RsKvDtype { kKvFloat32, kKvFloat16, kKvBFloat16 };
+
+// n floats of a token's K or V into its cache slot at dst: float32 as they are, float16 rounded
+// to nearest even (F16C, 8 at a time), or bfloat16 rounded to nearest even with NaN kept a quiet
+// NaN (torch's float -> bfloat16 rounding, bit for bit).
+void store_kv(void* dst, const float* src, int64_t n, int64_t dtype) {
+  if (dtype == kKvFloat32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
   }
   uint16_t* d = static_cast<uint16_t*>(dst);
+  if (dtype == kKvBFloat16) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, src + i, sizeof bits);
+      d[i] = src[i] != src[i] ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+    return;
+  }
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
@@ -125,17 +142,21 @@ extern "C" int rs_decode_layers(const RsDecoder* m, int64_t rows, float* residua
     if (L.qkv.gemv(normed, rows, hidden, L.qkv.packed, L.qkv.tiles, L.qkv.kind, big, threads)) return -1;
     clock.lap(kQkv);
     rs_rope_neox(big, rows, L.qkv.width, m->heads + m->kv_heads, hd, cos, sin);
-    const int64_t elem = m->kv_half ? sizeof(uint16_t) : sizeof(float);
+    const int64_t elem = m->kv_dtype == kKvFloat32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r = 0; r < rows; ++r) {
       const float* k = big + r * L.qkv.width + q_size;
-      store_kv(static_cast<char*>(L.k_cache) + slots[r] * kv_size * elem, k, kv_size, m->kv_half);
-      store_kv(static_cast<char*>(L.v_cache) + slots[r] * kv_size * elem, k + kv_size, kv_size, m->kv_half);
+      store_kv(static_cast<char*>(L.k_cache) + slots[r] * kv_size * elem, k, kv_size, m->kv_dtype);
+      store_kv(static_cast<char*>(L.v_cache) + slots[r] * kv_size * elem, k + kv_size, kv_size, m->kv_dtype);
     }
     clock.lap(kRopeKv);
-    if (m->kv_half)
+    if (m->kv_dtype == kKvFloat16)
       rs_paged_decode_attention_f16(big, L.qkv.width, static_cast<const uint16_t*>(L.k_cache),
                                     static_cast<const uint16_t*>(L.v_cache), tables, width, lens, rows, m->heads,
                                     m->kv_heads, hd, m->block_size, m->scale, attn, threads);
+    else if (m->kv_dtype == kKvBFloat16)
+      rs_paged_decode_attention_bf16(big, L.qkv.width, static_cast<const uint16_t*>(L.k_cache),
+                                     static_cast<const uint16_t*>(L.v_cache), tables, width, lens, rows, m->heads,
+                                     m->kv_heads, hd, m->block_size, m->scale, attn, threads);
     else
       rs_paged_decode_attention(big, L.qkv.width, static_cast<const float*>(L.k_cache),
                                 static_cast<const float*>(L.v_cache), tables, width, lens, rows, m->heads,

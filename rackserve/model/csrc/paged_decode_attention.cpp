@@ -1,4 +1,4 @@
-// Decode attention over a paged KV cache, float32, read in place through the block table: one
+// Decode attention over a paged KV cache, read in place through the block table: one
 // query token per request, its K/V spread over blocks of `block_size` tokens ([num_blocks,
 // block_size, kv_heads, head_dim] caches). This is what the torch backend does with a gather of
 // the blocks and one SDPA call, without the gather and the dozen small ops around it. A KV
@@ -7,9 +7,10 @@
 // the parts are merged), so a lone decode at thousands of tokens uses every core. Scores are
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
-// The cache holds float32 or IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
-// one template over both: a half cache's block is widened by F16C, 16 (AVX-512) or 8 (AVX2) values
-// at a time, into a float32 block the same loops read, so a step reads half the bytes from memory,
+// The cache holds float32, IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16) or
+// bfloat16 (rs_paged_decode_attention_bf16), one template over all three: a 16-bit cache's block is
+// widened (F16C, or a shift for bfloat16), 16 (AVX-512) or 8 (AVX2) values at a time, into a
+// float32 block the same loops read, so a step reads half the bytes from memory,
 // and the query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is
 // copied into that block the same way (widen_block), and a KV head's 2-4 query heads are scored
 // and accumulated against each loaded K/V row at once (score_group, add_values_group).
@@ -28,10 +29,20 @@
 
 namespace {
 
-// A float16 cache element, as its bits (F16C converts it; the float32 one is used as it is).
+// A float16 cache element, as its bits (F16C converts it; the float32 one is used as it is), and a
+// bfloat16 one (float32's top half: widened exactly by a shift).
 using half = uint16_t;
+struct bf16 {
+  uint16_t bits;
+};
 inline float to_float(float x) { return x; }
 inline float to_float(half x) { return _cvtsh_ss(x); }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // exp(x - mx) over a row of scores in place, 16 at a time (vec_exp.h: arithmetic the build
 // vectorises for its ISA; std::exp is a scalar libm call of ~20 ns, which was most of this kernel's
@@ -68,6 +79,10 @@ using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload(const bf16* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -94,6 +109,10 @@ using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vload(const bf16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -351,7 +370,8 @@ inline const float* widen_block(const float* b, int64_t count, float* wide) {
   return b;
 #endif
 }
-inline const float* widen_block(const half* b, int64_t count, float* wide) {
+template <typename T16>      // half or bf16
+inline const float* widen_block(const T16* b, int64_t count, float* wide) {
   int64_t i = 0;
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
@@ -502,8 +522,8 @@ int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, c
 
 }  // namespace
 
-// The float32 cache's entry point and the float16 one's (k_cache, v_cache: IEEE half bits); the
-// arguments are paged_decode_attention's above.
+// The float32 cache's entry point, the float16 one's (k_cache, v_cache: IEEE half bits) and the
+// bfloat16 one's (their bits); the arguments are paged_decode_attention's above.
 extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                          const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -519,4 +539,14 @@ extern "C" int rs_paged_decode_attention_f16(const float* q, int64_t q_stride, c
                                              int threads) {
   return paged_decode_attention(q, q_stride, k_cache, v_cache, tables, width, lens, rows, heads, kv_heads, head_dim,
                                 block_size, scale, out, threads);
+}
+
+extern "C" int rs_paged_decode_attention_bf16(const float* q, int64_t q_stride, const uint16_t* k_cache,
+                                              const uint16_t* v_cache, const int64_t* tables, int64_t width,
+                                              const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                              int64_t head_dim, int64_t block_size, float scale, float* out,
+                                              int threads) {
+  return paged_decode_attention(q, q_stride, reinterpret_cast<const bf16*>(k_cache),
+                                reinterpret_cast<const bf16*>(v_cache), tables, width, lens, rows, heads, kv_heads,
+                                head_dim, block_size, scale, out, threads);
 }
