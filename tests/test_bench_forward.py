@@ -46,10 +46,13 @@ def tiny(tiny_llama_dir):
 
 @pytest.mark.parametrize("mode,new_tokens", [("decode", 1), ("prefill", 16)])
 @pytest.mark.parametrize("context_len", [0, 40])
-def test_timed_tokens_are_the_scheduled_tokens_over_the_cached_context(tiny, mode, new_tokens, context_len):
+def test_timed_tokens_are_the_scheduled_tokens_over_the_cached_context(tiny, mode, new_tokens, context_len,
+                                                                      monkeypatch):
     config, executor = tiny
     log: list = []
     seen = []   # the attention metadata of every step, as the first layer receives it
+    # The modules, so that the hook sees decode steps too (the native decode step skips them).
+    monkeypatch.setattr(executor.runner, "native_decoder", None)
     hook = executor.model.model.layers[0].self_attn.attn.register_forward_pre_hook(
         lambda module, args: seen.append(args[3]))
     point = ForwardPoint(mode, 3, context_len, new_tokens)

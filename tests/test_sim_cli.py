@@ -156,12 +156,12 @@ def test_cpu_is_calibrated_at_run_time_then_reused(tiny_llama_dir, tmp_path, mon
     # What the engine ran, as bench forward recorded it: no packed kernel; decodes padded unless native.
     assert calibration["spec"]["quant_kernel"] is None and calibration["spec"]["dequantize_above_tokens"] is None
     assert calibration["pads_decodes"] is not calibration["spec"]["native_decode_attention"]
-    assert calibration["spec"]["native_decode_attention"] is (calibration["key"]["native_isa"] != "none"
-                                                              and precision == "fp32")
-    # The code that ran, read from the engine: its native build, its step path's files; no native
-    # decode step for unpacked weights.
+    native = calibration["key"]["native_isa"] != "none"
+    assert calibration["spec"]["native_decode_attention"] is native     # float32 or bf16 queries and caches
+    # The code that ran, read from the engine: its native build, its step path's files; the native
+    # decode step for dense float32 or bf16 weights where the library runs.
     code = calibration["engine_code"]
-    assert code["native_decode_step"] is False and "rackserve/executor/model_runner.py" in code["files"]
+    assert code["native_decode_step"] is native and "rackserve/executor/model_runner.py" in code["files"]
     assert (code["native_library"] is None) is (calibration["key"]["native_isa"] == "none")
     assert {(m["batch_size"], m["new_tokens"]) for m in calibration["measured"]} == {
         (1, 1), (4, 1), (16, 1), (1, 256), (4, 256), (1, 64), (2, 64)}

@@ -353,11 +353,13 @@ def test_a_calibration_records_the_kernels_the_engine_ran(smollm2_gguf):
         assert (spec.packed_kernel, spec.dequantize_above_tokens) == (name, kernels["dense_above_rows"])
         points = [([SeqWork(1, 300)] * 2, 0.03), ([SeqWork(64, 0)], 0.05)]
         assert fit(spec, points, 2e11, 2e10, pads_decodes=False).pads_decodes is False
-    # A 16-bit model or a bfloat16 cache: the native kernel takes float32 queries over a float32 or
-    # float16 cache only, so those decodes go to padded SDPA.
-    assert engine_kernels(dataclasses.replace(model, dtype="bfloat16"))["native_decode_attention"] is False
-    assert engine_kernels(model, "bfloat16")["native_decode_attention"] is False
-    assert engine_kernels(model, "float16")["native_decode_attention"] is (choose_isa().isa != "none")
+    # The native kernel takes float32 or bfloat16 queries over a float32, float16 or bfloat16 cache;
+    # a float16 model's decodes go to padded SDPA.
+    native = choose_isa().isa != "none"
+    assert engine_kernels(dataclasses.replace(model, dtype="float16"))["native_decode_attention"] is False
+    assert engine_kernels(dataclasses.replace(model, dtype="bfloat16"))["native_decode_attention"] is native
+    assert engine_kernels(model, "bfloat16")["native_decode_attention"] is native
+    assert engine_kernels(model, "float16")["native_decode_attention"] is native
     with pytest.raises(ValueError, match="re-run bench forward"):
         _as_measured(base, {"settings": {"A": {"dtype": "float32", "cost": {"weight_bytes": 1.0}}}})
 
