@@ -120,3 +120,18 @@ def build_tiny_deepseek_v4(path: str | os.PathLike, seed: int = 0, **config_over
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+def identical_or_within_top(a_outs: list, b_outs: list) -> int:
+    """vLLM's rule for two greedy runs of different precision (RequestOutputs with logprobs): at
+    the first token where a request's runs differ, each side's token is among the other's top
+    logprobs there. Asserts it for every request; returns how many requests did not differ."""
+    identical = 0
+    for a, b in zip(a_outs, b_outs, strict=True):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        diverged = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if diverged is None:
+            identical += 1
+            continue
+        assert ta[diverged] in b.outputs[0].logprobs[diverged] and tb[diverged] in a.outputs[0].logprobs[diverged]
+    return identical
