@@ -127,6 +127,29 @@ def test_a_bfloat16_checkpoint_decodes_natively_within_the_module_paths_top3(tin
     assert identical_or_within_top(ours, theirs) >= 2
 
 
+def test_a_bf16_checkpoint_run_in_float32_keeps_its_linears_in_bf16(tiny_gguf, tmp_path, monkeypatch):
+    # float32 (what --dtype auto picks on a CPU without native bf16) over a bf16 checkpoint: its
+    # linear weights stay bf16, every value being one, and are widened exactly (rs_dense_gemv kind
+    # 1 in the loop, F.linear of the widened weight in prefill), so the tokens and logprobs are
+    # those of the same values held in float32, for half the bytes a decode step reads.
+    import copy
+
+    from rackserve.model import loader
+    path = str(tmp_path / "bf16")
+    copy.deepcopy(tiny_gguf[1]).to(torch.bfloat16).save_pretrained(path)
+    kept, real = [], loader.keep_bf16_linears
+    monkeypatch.setattr(loader, "keep_bf16_linears", lambda model: kept.append(real(model)) or kept[-1])
+    ours = _generate(path, True, monkeypatch, "auto", quantization="auto")
+    monkeypatch.setattr(loader, "keep_bf16_linears", lambda model: 0)
+    theirs = _generate(path, True, monkeypatch, "auto", quantization="auto")
+    assert kept == [3 * 4], "qkv, o, gate_up and down of each of the 3 layers"
+    assert ours[1] == theirs[1] == max(p.max_tokens for p in PARAMS) - 1, "every decode step ran natively"
+    for a, b in zip(ours[0], theirs[0], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step, ref_step in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert all(abs(lp.logprob - ref_step[token].logprob) < 1e-5 for token, lp in step.items())
+
+
 def test_native_decode_stays_off_where_an_op_has_no_native_form(tiny_llama_dir, tiny_qwen2_dir):
     dense, _ = load_model(ModelConfig(tiny_llama_dir, "tiny", tiny_llama_dir, "float32", "cpu", None, 0))
     assert "KV cache" in native_decode.supports(dense)       # its linears qualify: dense float32

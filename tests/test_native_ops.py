@@ -58,6 +58,10 @@ def test_dense_linear_matches_f_linear_for_a_decode_steps_rows(rows, n, k):
     # A wrong row, column or stride would be off by whole products; the weight's rows in another
     # order give other outputs, so each output is its own row's dot product.
     assert torch.allclose(native_ops.linear(x, w.flip(0)), ref.sub(b).flip(1), rtol=1e-5, atol=1e-5 * k ** 0.5)
+    # A bf16 weight under float32 rows (loader.keep_bf16_linears): its values widened exactly.
+    wb = w.bfloat16()
+    want = (x.double() @ wb.double().T + b.double()).float()
+    assert torch.allclose(native_ops.linear(x, wb, b), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])       # 5: a block of 4 rows (2 on avx2) and a row on its own
@@ -81,7 +85,8 @@ def test_dense_linear_leaves_more_rows_and_other_dtypes_to_torch(monkeypatch):
     monkeypatch.setattr(native_ops, "library", lambda: type("L", (), {"rs_dense_gemv": lambda *a: calls.append(a) or 0})())
     w = torch.randn(8, 16)
     native_ops.linear(torch.randn(native_ops.DENSE_GEMV_ROWS + 1, 16), w)
-    native_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())
+    native_ops.linear(torch.randn(2, 16).bfloat16(), w.bfloat16())      # a bf16 model's rows: torch's
+    native_ops.linear(torch.randn(2, 16), w.half())                       # no float16 weight kind
     native_ops.linear(torch.randn(16, 2).T, w)        # x not contiguous
     assert calls == [] and lib is not None
     native_ops.linear(torch.randn(2, 16), w)

@@ -8,6 +8,7 @@ know about requests.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from rackserve.distributed.parallel_state import ParallelGroups
 from rackserve.model import native_ops
 from rackserve.model.attention import KVCacheSpec
 from rackserve.model.models import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,31 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    if model_config.device == "cpu" and dtype == torch.float32:
+        keep_bf16_linears(model)
     return model.eval(), info
+
+
+def keep_bf16_linears(model: nn.Module) -> int:
+    """A float32 model on CPU keeps the dense weights of its Llama-style attention and MLP linears in
+    bfloat16 wherever every value is one (a bf16 checkpoint's, as a GGUF's blocks stay packed): a
+    decode step reads half the bytes, and the products are the same, since the native GEMV and
+    F.linear widen them exactly (native_ops.linear). Returns how many weights it narrowed."""
+    from rackserve.model.models.llama import LlamaAttention, LlamaMLP
+    kept = 0
+    for module in model.modules():
+        if not isinstance(module, (LlamaAttention, LlamaMLP)):
+            continue
+        for linear in module.children():
+            weight = getattr(linear, "weight", None)
+            if getattr(linear, "quant", True) is not None or weight is None or weight.dtype != torch.float32:
+                continue
+            narrow = weight.data.to(torch.bfloat16)
+            if torch.equal(narrow.float(), weight.data):
+                weight.data, kept = narrow, kept + 1
+    if kept:
+        logger.info("kept %d linear weights in bfloat16, as the checkpoint holds them (computed in float32)", kept)
+    return kept
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:

@@ -88,9 +88,9 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
-# decode_loop.cpp's RsKvDtype, and rs_dense_gemv's kind, by dtype.
+# decode_loop.cpp's RsKvDtype by dtype.
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+DENSE_KINDS = native_ops.DENSE_KINDS
 
 
 def _dense(weight: torch.Tensor) -> bool:

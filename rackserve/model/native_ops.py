@@ -104,18 +104,22 @@ def add_rms_norm(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 # F.linear on SmolLM2's float32 weights (2 threads, a Zen 5 and its avx2 build; docs/benchmarks.md,
 # seventeenth round); a prefill chunk's rows are torch's GEMM's.
 DENSE_GEMV_ROWS = 16
+# rs_dense_gemv's kind by the weight's dtype (its arithmetic is float32 either way).
+DENSE_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for a dense weight [n, k]: a decode step's few rows of float32 on the native GEMV
-    (bound by the weight's bytes), anything else F.linear."""
-    plain = x.dim() == 2 and x.shape[0] <= DENSE_GEMV_ROWS and x.is_contiguous() and weight.is_contiguous()
-    lib = _native(x, weight) if plain and x.shape[1] > 0 else None
+    """x W^T (+ b) for a dense weight [n, k]: a decode step's few float32 rows on the native GEMV
+    (bound by the weight's bytes), anything else F.linear. The weight may be bfloat16 under float32
+    rows (a bf16 checkpoint's, kept so: loader.keep_bf16_linears): widened exactly either way."""
+    plain = (x.dim() == 2 and x.shape[0] <= DENSE_GEMV_ROWS and x.shape[1] > 0 and x.is_contiguous()
+             and weight.is_contiguous() and weight.dtype in DENSE_KINDS and weight.device.type == "cpu")
+    lib = _native(x) if plain else None
     if lib is None:
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)
     y = x.new_empty(x.shape[0], weight.shape[0])
-    rc = lib.rs_dense_gemv(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0], 0, y.data_ptr(),
-                           torch.get_num_threads())
+    rc = lib.rs_dense_gemv(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                           DENSE_KINDS[weight.dtype], y.data_ptr(), torch.get_num_threads())
     assert rc == 0, "rs_dense_gemv refused its arguments"
     return y if bias is None else y.add_(bias)
 
