@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rackserve.bench.forward import parse_compare
 from rackserve.bench.forward_steps import KINDS, ForwardPoint, RepeatedStep, Side, dp_shares, model_cost, time_point
@@ -154,6 +155,16 @@ def test_model_cost_counts_the_tiny_llama_by_hand(tiny_llama_dir):
     point = ForwardPoint("prefill", 2, 10, 3)   # queries at positions 10, 11, 12 see 11 + 12 + 13 keys
     assert cost.step_flops(point) == 2 * 3 * per_layer * 6 + 2 * 512 * 64 * 2 + 4 * 3 * 64 * 2 * 36
     assert cost.step_bytes(point) == cost.weight_bytes + 2 * 13 * cost.kv_bytes_per_token
+
+
+def test_model_cost_counts_a_bf16_checkpoints_linears_at_two_bytes_in_float32(tiny_llama_dir, tmp_path):
+    # The same tiny Llama saved in bf16 and run in float32: loader.keep_bf16_linears keeps its
+    # linears in bf16, so a step reads 2 bytes a linear weight; norms and lm_head stay float32.
+    from tests.tiny_models import load_hf
+    load_hf(tiny_llama_dir).to(torch.bfloat16).save_pretrained(tmp_path)
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 64 * 256 + 128 * 64
+    cost = model_cost(tiny_config(str(tmp_path), dtype="float32").model)
+    assert cost.weight_bytes == 2 * 3 * per_layer + 4 * (512 * 64 + 3 * 2 * 64 + 64)
 
 
 def test_model_cost_counts_routed_experts_by_their_share(tiny_qwen3_moe_dir):
