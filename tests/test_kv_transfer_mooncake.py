@@ -90,8 +90,10 @@ def test_disaggregated_greedy_tokens_match_one_instance(request, model_fixture, 
             # Every prompt token but the last arrived from the prefiller (minus what was cached here).
             assert got.num_cached_tokens == len(prompt) - 1 or len(prompt) == 1
         stats = decoder.engine.core.make_stats()
-        # Every pull (one per prompt) went over one side channel connection, kept open.
-        assert decoder.engine.core.executor.runner.kv_connector._channels.opened == 1
+        # The prompts' pulls went over side channel connections kept open: at most one per transfer
+        # thread (2), since two loads may run at once (with the native decode step they overlapped).
+        connector = decoder.engine.core.executor.runner.kv_connector
+        assert 1 <= connector._channels.opened <= connector._pool._max_workers == 2
         _drain(prefiller)
         _drain(decoder)
         prefiller.engine.core.check_integrity()
