@@ -33,8 +33,11 @@ PROMPTS = [[1, 5, 9, 13], [1, 7]]
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = build_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("unread") / "m")
-    engine = AsyncEngine(EngineArgs(model=path, device="cpu", num_gpu_blocks_override=64, max_model_len=256,
-                                    skip_tokenizer_init=True))
+    # float32: a test compares two runs' greedy tokens, and in bf16 (auto on a native-bf16 CPU) a
+    # decode-only step computes natively in float32 where a mixed one rounds to bf16 in the modules,
+    # so how the two runs' steps were batched can flip a near-tie of the tiny random model.
+    engine = AsyncEngine(EngineArgs(model=path, device="cpu", dtype="float32", num_gpu_blocks_override=64,
+                                    max_model_len=256, skip_tokenizer_init=True))
     yield engine
     engine.shutdown()
 
