@@ -178,7 +178,7 @@ def model_cost(model_config: ModelConfig, kv_cache_dtype: str | None = None) -> 
         qk = v = config.get("head_dim") or config["hidden_size"] // heads_n
     return ModelCost(
         weight_bytes=nbytes(model.parameters()) - nbytes(gathered) - nbytes(experts)
-        - _packed_savings(model_config, dtype.itemsize) - _bf16_savings(model_config, dtype),
+        - _packed_savings(model_config, dtype.itemsize) - _bf16_savings(model_config, model, dtype),
         expert_bytes=nbytes(experts),
         linear_params=sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear)),
         expert_params=sum(p.numel() for p in experts),
@@ -210,30 +210,18 @@ def _packed_savings(model_config: ModelConfig, dense_itemsize: int) -> int:
     return saved
 
 
-# The checkpoint names of the linears loader.keep_bf16_linears keeps in bf16 (Llama-style
-# attention and MLP projections).
-_KEPT_BF16 = tuple(f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-
-
-def _bf16_savings(model_config: ModelConfig, dtype) -> int:
+def _bf16_savings(model_config: ModelConfig, model, dtype) -> int:
     """Bytes a step does not read because a float32 model on CPU keeps a bf16 checkpoint's linear
-    weights in bf16 (loader.keep_bf16_linears): 2 a weight, read from the safetensors' headers."""
+    weights in bf16 (loader.keep_bf16_linears, over loader.bf16_candidates): 2 a weight, where the
+    checkpoint holds bf16 tensors only (its headers say)."""
     import torch
+
+    from rackserve.model.loader import bf16_candidates, safetensors_dtypes
     if model_config.device != "cpu" or dtype != torch.float32 or model_config.model.endswith(".gguf"):
         return 0
-    import json
-    import os
-    import struct
-    saved = 0
-    for name in sorted(os.listdir(model_config.model)):
-        if not name.endswith(".safetensors"):
-            continue
-        with open(os.path.join(model_config.model, name), "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for key, t in header.items():
-            if key.endswith(_KEPT_BF16) and t.get("dtype") == "BF16":
-                saved += 2 * int(torch.Size(t["shape"]).numel())
-    return saved
+    if safetensors_dtypes(model_config.model) != {"BF16"}:
+        return 0
+    return 2 * sum(linear.weight.numel() for linear in bf16_candidates(model))
 
 
 def _layer_kind(leaf: str, module) -> str | None:

@@ -123,23 +123,28 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     return model.eval(), info
 
 
+def bf16_candidates(model: nn.Module) -> list[nn.Module]:
+    """The linears keep_bf16_linears may keep in bfloat16: the dense ones of Llama-style attention
+    and MLP layers (bench forward's model_cost counts the same ones)."""
+    from rackserve.model.models.llama import LlamaAttention, LlamaMLP
+    return [linear for module in model.modules() if isinstance(module, (LlamaAttention, LlamaMLP))
+            for linear in module.children()
+            if getattr(linear, "quant", True) is None and getattr(linear, "weight", None) is not None]
+
+
 def keep_bf16_linears(model: nn.Module) -> int:
     """A float32 model on CPU keeps the dense weights of its Llama-style attention and MLP linears in
     bfloat16 wherever every value is one (a bf16 checkpoint's, as a GGUF's blocks stay packed): a
     decode step reads half the bytes, and the products are the same, since the native GEMV and
     F.linear widen them exactly (native_ops.linear). Returns how many weights it narrowed."""
-    from rackserve.model.models.llama import LlamaAttention, LlamaMLP
     kept = 0
-    for module in model.modules():
-        if not isinstance(module, (LlamaAttention, LlamaMLP)):
+    for linear in bf16_candidates(model):
+        weight = linear.weight
+        if weight.dtype != torch.float32:
             continue
-        for linear in module.children():
-            weight = getattr(linear, "weight", None)
-            if getattr(linear, "quant", True) is not None or weight is None or weight.dtype != torch.float32:
-                continue
-            narrow = weight.data.to(torch.bfloat16)
-            if torch.equal(narrow.float(), weight.data):
-                weight.data, kept = narrow, kept + 1
+        narrow = weight.data.to(torch.bfloat16)
+        if torch.equal(narrow.float(), weight.data):
+            weight.data, kept = narrow, kept + 1
     if kept:
         logger.info("kept %d linear weights in bfloat16, as the checkpoint holds them (computed in float32)", kept)
     return kept
@@ -165,9 +170,8 @@ def _generation_eos(folder: str) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a one-file or sharded (index json) safetensors checkpoint."""
-    from safetensors import safe_open
+def _safetensors_files(folder: str) -> list[str]:
+    """The files of a one-file or sharded (index json) safetensors checkpoint."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -176,10 +180,26 @@ def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    for file in files:
-        with safe_open(os.path.join(folder, file), framework="pt") as st:
+    return [os.path.join(folder, f) for f in files]
+
+
+def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a one-file or sharded (index json) safetensors checkpoint."""
+    from safetensors import safe_open
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt") as st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
+
+
+def safetensors_dtypes(folder: str) -> set[str]:
+    """The dtypes ("BF16", "F32", ...) of a safetensors checkpoint's tensors, read from the headers."""
+    from safetensors import safe_open
+    dtypes = set()
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt") as st:
+            dtypes.update(st.get_slice(name).get_dtype() for name in st.keys())
+    return dtypes
 
 
 @contextmanager

@@ -90,18 +90,17 @@ def supports(model: nn.Module) -> str | None:
 
 # decode_loop.cpp's RsKvDtype by dtype.
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DENSE_KINDS = native_ops.DENSE_KINDS
 
 
 def _dense(weight: torch.Tensor) -> bool:
-    return weight.dtype in DENSE_KINDS and weight.device.type == "cpu" and weight.is_contiguous()
+    return weight.dtype in native_ops.DENSE_KINDS and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def _linear(module: nn.Module) -> _Linear:
     if module.quant is None:        # a dense weight: rs_dense_gemv, a row a "tile"
         gemv = ctypes.cast(native_ops.library().rs_dense_gemv, ctypes.c_void_p).value
         return _Linear(gemv, module.weight.data_ptr(), module.output_size, module.output_size,
-                       DENSE_KINDS[module.weight.dtype])
+                       native_ops.DENSE_KINDS[module.weight.dtype])
     gemv, tile = module.quant.native_gemv()
     tiles = module.quant.packed.shape[0]
     return _Linear(gemv, module.quant.packed.data_ptr(), tiles, tiles * tile, module.quant.kind)

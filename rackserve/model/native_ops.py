@@ -190,11 +190,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
              and tables.dtype == lens.dtype == torch.int64 and tables.is_contiguous() and lens.is_contiguous()
              and k_cache.dtype == v_cache.dtype and k_cache.dtype in _DECODE_CACHE_DTYPES)
-    qf = q.float() if plain and q.dtype == torch.bfloat16 and q.device.type == "cpu" else q
-    lib = _native(qf) if plain else None
+    lib = _native() if plain and q.dtype in (torch.float32, torch.bfloat16) and q.device.type == "cpu" else None
     if (lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"):
         return None
+    qf = q.float()      # q itself when it is float32
     rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     out = qf.new_empty(rows, heads * head_dim)
