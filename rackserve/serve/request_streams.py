@@ -92,10 +92,14 @@ class RequestStreams:
 
     async def _take(self) -> tuple[int, Item]:
         index, item = await self._queue.get()
+        self._taken(index, item)
+        return index, item
+
+    def _taken(self, index: int, item: Item) -> None:
+        """`item` leaves its prompt's fold: later deltas start a new one."""
         if item is not None and item is self._untaken.get(index):
             del self._untaken[index]
             self._unread_entries -= logprob_entries(item)
-        return index, item
 
     async def start(self) -> None:
         """Raises the first prompt's error (ValueError: the engine refused it) after aborting all."""
@@ -105,13 +109,22 @@ class RequestStreams:
             if isinstance(item, BaseException):
                 self.abort()
                 raise item
+            if index in started and isinstance(item, RequestOutput):
+                # A later delta of a prompt that already started: the consumer has not taken it,
+                # so the deltas after it keep folding into it while start() waits for the others.
+                self._untaken[index] = item
+                self._unread_entries += logprob_entries(item)
             self._ready.append((index, item))
             started.add(index)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         running = len(self._tasks)
         while running:
-            index, item = self._ready.popleft() if self._ready else await self._take()
+            if self._ready:
+                index, item = self._ready.popleft()
+                self._taken(index, item)
+            else:
+                index, item = await self._take()
             if item is None:
                 running -= 1
             elif isinstance(item, BaseException):
