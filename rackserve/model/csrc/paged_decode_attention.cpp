@@ -12,8 +12,10 @@
 // widened (F16C, or a shift for bfloat16), 16 (AVX-512) or 8 (AVX2) values at a time, into a
 // float32 block the same loops read, so a step reads half the bytes from memory,
 // and the query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is
-// copied into that block the same way (widen_block), and a KV head's 2-4 query heads are scored
-// and accumulated against each loaded K/V row at once (score_group, add_values_group).
+// copied into that block the same way (widen_block). A KV head's 2-4 query heads are scored and
+// accumulated against each loaded K/V row at once (score_group, add_values_group), and the next
+// block's bytes are asked for while this one is read (prefetch_rows): the cores compute while the
+// memory streams, where each block's reads used to wait for the memory and then for the loops.
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
 #include <immintrin.h>
@@ -223,12 +225,13 @@ void add_values(const float* p, const float* v, int64_t n, int64_t head_dim, int
   }
 }
 
-#if defined(RS_VECTOR_KEYS) && !defined(__AVX512F__)
+#ifdef RS_VECTOR_KEYS
 #define RS_GROUP_VEC 1
-// A KV head's G query heads (GQA) against each K or V row loaded once, the AVX2 build: scored or
-// accumulated one query head at a time, every row was loaded from L1 G times, and on a Zen 1
-// (256-bit ops split in two halves, two loads a cycle) the loads per useful FMA bounded the
-// kernel as much as the memory did. The accumulators are register-blocked to fit AVX2's 16 ymm.
+// A KV head's G query heads (GQA) against each K or V row loaded once: scored or accumulated one
+// query head at a time, every row was loaded from L1 G times, and on a Zen 1 (256-bit ops split
+// in two halves, two loads a cycle) the loads per useful FMA bounded the kernel as much as the
+// memory did; on a Zen 5 the AVX-512 build's key-by-key loop took 1.1-1.2x the grouped loops'
+// time. The accumulators are register-blocked to fit AVX2's 16 ymm (AVX-512 uses the same tiles).
 
 // q . k of G query heads (q + g * head_dim) for KB keys from key j (token_stride apart) into
 // s[g * s_stride + j ...]: G x KB accumulators, each loaded key chunk used by the G heads. Each
@@ -237,7 +240,7 @@ template <int G, int M, int KB>
 __attribute__((always_inline)) inline void score_group_tile(const float* q, const float* k, int64_t j,
                                                             int64_t token_stride, float* s, int64_t s_stride) {
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float), head_dim = M * lanes;
-  constexpr int kSums = (G * KB + 7) / 8 * 8;
+  constexpr int kSums = (G * KB + kKeys - 1) / kKeys * kKeys;     // whole store_sums calls
   Vec acc[kSums];
   for (int i = 0; i < kSums; ++i) acc[i] = vzero();
   for (int c = 0; c < M; ++c) {
@@ -248,8 +251,8 @@ __attribute__((always_inline)) inline void score_group_tile(const float* q, cons
       for (int t = 0; t < KB; ++t) acc[g * KB + t] = vfma(qc, kc[t], acc[g * KB + t]);
     }
   }
-  alignas(32) float sums[kSums];
-  for (int i = 0; i < kSums; i += 8) store_sums(acc + i, sums + i);
+  alignas(64) float sums[kSums];
+  for (int i = 0; i < kSums; i += kKeys) store_sums(acc + i, sums + i);
   for (int g = 0; g < G; ++g)
     for (int t = 0; t < KB; ++t) s[g * s_stride + j + t] = sums[g * KB + t];
 }
@@ -350,25 +353,22 @@ void add_values_group(const float* p, int64_t p_stride, const float* v, int64_t 
 // which the float32 loops above read: a float16 block widened once, so that a KV head's query
 // heads (GQA) share each conversion (converting at every load took a lone decode at 384 tokens
 // 1.85x the float32 cache's time on a Zen 1: F16C's conversion is slower there than the FMA it
-// feeds); a float32 block copied, one sequential read of its bytes from memory that the grouped
-// loops' strided reads then find in L1. Without the copy the grouped loops ran a Zen 1 float32
-// step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
+// feeds); in the AVX2 build a float32 block copied, one sequential read of its bytes from memory
+// that the grouped loops' strided reads then find in L1. Without the copy the grouped loops ran a
+// Zen 1 float32 step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
 // (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
-// already in the caches (the bench streams them from memory, as a step does).
-// The AVX-512 build (no grouped loops, not measured with the copy) reads a float32 block in place.
-#ifdef RS_GROUP_VEC
+// already in the caches (the bench streams them from memory, as a step does). The AVX-512 build
+// reads a float32 block in place: with prefetch_rows ahead of its loops the copy cost it 1.3-1.5x
+// on a Zen 5 (decode-attention-ab-prefetch-s18-zen5.json).
+#if defined(RS_GROUP_VEC) && !defined(__AVX512F__)
 constexpr bool kCopyF32 = true;
 #else
 constexpr bool kCopyF32 = false;
 #endif
 inline const float* widen_block(const float* b, int64_t count, float* wide) {
-#ifdef RS_GROUP_VEC
+  if (!kCopyF32) return b;
   std::memcpy(wide, b, count * sizeof(float));
   return wide;
-#else
-  (void)count, (void)wide;
-  return b;
-#endif
 }
 template <typename T16>      // half or bf16
 inline const float* widen_block(const T16* b, int64_t count, float* wide) {
@@ -381,20 +381,34 @@ inline const float* widen_block(const T16* b, int64_t count, float* wide) {
   return wide;
 }
 
-// Asks for the next block's bytes of a part (when it has one), a line at a time, while this block
-// is read: the table scatters a context's blocks, so the hardware prefetcher loses the stream at
-// each block's end. The AVX2 build only (on a Zen 3 it took a lone decode's attention at 256 tokens
-// from 56 to 43 us a layer, bench/results/decode-attention-ab-prefetch-s9z.json); the AVX-512
-// build was not measured with it.
+// The next block of a part (when it has one), asked for a line at a time while this block is
+// read: the table scatters a context's blocks, so the hardware prefetcher loses the stream at each
+// block's end, and a block's reads waited for the memory, then for the loops. The AVX2 build asks
+// for the whole block before this one's copy (on a Zen 3 it took a lone decode's attention at 256
+// tokens from 56 to 43 us a layer, bench/results/decode-attention-ab-prefetch-s9z.json); the
+// AVX-512 build asks for kRunRows of its rows before each kRunRows of this block's rows are scored
+// or summed, so that the requests stay few and spread over the loops' time (on a Zen 5 the whole
+// block at once gained nothing; the runs of 4 took a 16-row step at 384 tokens from 400 to 220 us a
+// layer with both threads, 2 or 8 rows and 2-3 blocks ahead were slower:
+// decode-attention-ab-prefetch-s18-zen5.json).
+constexpr int64_t kRunRows = kAvx512 ? 4 : 0;      // 0: the whole next block before this one's rows
 template <typename T>
-inline void prefetch_next_block(const T* cache, const int64_t* table, int64_t t0, int64_t t_end,
-                                int64_t block_size, int64_t token_stride) {
-  const int64_t next = t0 + block_size;
-  if (kAvx512 || next >= t_end) return;
-  const char* p = reinterpret_cast<const char*>(cache + table[next / block_size] * block_size * token_stride);
-  const int64_t bytes = std::min(block_size, t_end - next) * token_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
+struct NextBlock {
+  const char* bytes = nullptr;
+  int64_t rows = 0, row_bytes = 0;
+  NextBlock(const T* cache, const int64_t* table, int64_t t0, int64_t t_end, int64_t block_size,
+            int64_t token_stride) {
+    const int64_t next = t0 + block_size;
+    if (next >= t_end) return;
+    bytes = reinterpret_cast<const char*>(cache + table[next / block_size] * block_size * token_stride);
+    rows = std::min(block_size, t_end - next);
+    row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  }
+  void prefetch(int64_t from, int64_t to) const {      // its rows [from, to)
+    const int64_t end = std::min(to, rows) * row_bytes;
+    for (int64_t off = from * row_bytes; off < end; off += 64) _mm_prefetch(bytes + off, _MM_HINT_T0);
+  }
+};
 
 // One part of one request: its query heads (q, head_dim apart; KV head g's are g * group ...)
 // against tokens [t_begin, t_end) (whole blocks but for the context's last), every KV head of a
@@ -418,11 +432,16 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
   // Block by block: the slot of token t is found once per block, not by a division per token.
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    prefetch_next_block(k_cache, table, t0, t_end, block_size, token_stride);
+    const NextBlock<T> next(k_cache, table, t0, t_end, block_size, token_stride);
+    if (!kRunRows) next.prefetch(0, block_size);
     const float* kb = widen_block(k_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
-    for (int64_t kv = 0; kv < kv_heads; ++kv)
-      score_group(q + kv * group * head_dim, kb + kv * head_dim, n, group, head_dim, token_stride,
-                  scores + kv * group * len + t0 - t_begin, len);
+    const int64_t run = kRunRows ? kRunRows : n;
+    for (int64_t c = 0; c < n; c += run) {
+      if (kRunRows) next.prefetch(c, c + run);
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        score_group(q + kv * group * head_dim, kb + c * token_stride + kv * head_dim, std::min(run, n - c), group,
+                    head_dim, token_stride, scores + kv * group * len + t0 - t_begin + c, len);
+    }
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
@@ -437,11 +456,17 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
   }
   for (int64_t t0 = t_begin; t0 < t_end; t0 += block_size) {
     const int64_t n = std::min(block_size, t_end - t0);
-    prefetch_next_block(v_cache, table, t0, t_end, block_size, token_stride);
+    const NextBlock<T> next(v_cache, table, t0, t_end, block_size, token_stride);
+    if (!kRunRows) next.prefetch(0, block_size);
     const float* vb = widen_block(v_cache + table[t0 / block_size] * block_size * token_stride, n * token_stride, wide);
-    for (int64_t kv = 0; kv < kv_heads; ++kv)
-      add_values_group(scores + kv * group * len + t0 - t_begin, len, vb + kv * head_dim, n, group, head_dim,
-                       token_stride, part + kv * group * (head_dim + 2), head_dim + 2);
+    const int64_t run = kRunRows ? kRunRows : n;
+    for (int64_t c = 0; c < n; c += run) {
+      if (kRunRows) next.prefetch(c, c + run);
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        add_values_group(scores + kv * group * len + t0 - t_begin + c, len, vb + c * token_stride + kv * head_dim,
+                         std::min(run, n - c), group, head_dim, token_stride, part + kv * group * (head_dim + 2),
+                         head_dim + 2);
+    }
   }
   _mm_setcsr(csr);
 }
