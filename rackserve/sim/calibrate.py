@@ -139,6 +139,9 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
     `native_decode_step`: whether it ran steps of decodes in one native call (their own factor);
     `decode_attn_threads`: the threads its native decode attention split decodes over (0: none), in
     `decode_attn_isa`'s build of the native library."""
+    # The packed kernel's rate is a share of the float32 matmul's peak but not bounded by it: integer
+    # dot products outrun float32 FMAs (the vnni kernel ran 2.4-3.5x the float32 matmul on a Zen 5,
+    # where a cap at 1 left a 512-token prefill modelled at 2.3x its measured time).
     packed = (packed_class(spec.packed_kernel),) if spec.dequantize_above_tokens is not None else ()
     # Prompt chunks after a cached context measured: their attention over it gets a rate of its own.
     prefix = (PREFIX_CLASS,) if any(w.new_tokens > 1 and w.context for batch, _ in points for w in batch) else ()
@@ -159,7 +162,7 @@ def fit(spec: ModelSpec, points: Sequence[tuple[list[SeqWork], float]], flops: f
             for factor in (step, 1 / step):
                 trial_params = dict(params)
                 trial_params[key] *= factor
-                if key in classes:
+                if key in classes and key not in packed:
                     trial_params[key] = min(1.0, trial_params[key])
                 trial = _error(spec, device(trial_params), points)
                 if trial < best - 1e-12:
