@@ -2,7 +2,8 @@
 against softmax(q k^T) v in torch on the tokens gathered by hand: a context split over threads
 into parts of whole blocks and merged, keys scored a vector's width at a time, the ragged last
 block and head sizes the vector path does not take; over a float32 cache, a float16 one and a
-bfloat16 one (their own entry points, which widen each block once), the reference computed in
+bfloat16 one (their own entry points: the avx2 build widens each block once, the avx512 build converts
+its K/V vectors as it loads them), the reference computed in
 float64 from the very values the cache holds. Runs on both builds (avx512, avx2).
 """
 from __future__ import annotations
