@@ -8,13 +8,13 @@
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
 // The cache holds float32, IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16) or
-// bfloat16 (rs_paged_decode_attention_bf16), one template over all three: a 16-bit cache's block is
-// widened (F16C, or a shift for bfloat16), 16 (AVX-512) or 8 (AVX2) values at a time, into a
-// float32 block the same loops read, so a step reads half the bytes from memory,
-// and the query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is
-// copied into that block the same way (widen_block). A KV head's 2-4 query heads are scored and
+// bfloat16 (rs_paged_decode_attention_bf16), one template over all three: a 16-bit cache's values are
+// widened (F16C, or a shift for bfloat16) as the AVX-512 loops load them, or (AVX2) a block at a time
+// into a float32 block the same loops read, so a step reads half the bytes from memory, and the
+// query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is copied into
+// that block the same way (widen_block). A KV head's 2-4 query heads are scored and
 // accumulated against each loaded K/V row at once (score_group, add_values_group), and the next
-// block's bytes are asked for while this one is read (prefetch_rows): the cores compute while the
+// block's bytes are asked for while this one is read (NextBlock): the cores compute while the
 // memory streams, where each block's reads used to wait for the memory and then for the loops.
 // torch_attention.py calls it through model/native_ops.py, and decode_loop.cpp per layer; this
 // file must never write the cache.
@@ -383,8 +383,8 @@ void add_values_group(const float* p, int64_t p_stride, const T* v, int64_t n, i
 // Zen 1 float32 step at 0.88-0.96x main's speed; with it 1.03-1.14x faster at 256-4096 tokens
 // (bench/results/decode-attention-ab-gqa-s15-zen1.json), though 0.89x with a layer's K/V
 // already in the caches (the bench streams them from memory, as a step does). The AVX-512 build
-// reads a float32 block in place: with prefetch_rows ahead of its loops the copy cost it 1.3-1.5x
-// on a Zen 5 (decode-attention-ab-prefetch-s18-zen5.json).
+// reads a float32 block in place: with NextBlock's requests ahead of its loops the copy cost it
+// 1.35-1.4x on a Zen 5 (ad hoc, bench/results/measure-load-zen5-s18.json).
 #if defined(RS_GROUP_VEC) && !defined(__AVX512F__)
 constexpr bool kCopyF32 = true;
 #else
