@@ -414,8 +414,8 @@ inline const float* widen_block(const T16* b, int64_t count, float* wide) {
 // AVX-512 build asks for kRunRows of its rows before each kRunRows of this block's rows are scored
 // or summed, so that the requests stay few and spread over the loops' time (on a Zen 5 the whole
 // block at once gained nothing; the runs of 4 took a 16-row step at 384 tokens from 400 to 220 us a
-// layer with both threads, 2 or 8 rows and 2-3 blocks ahead were slower:
-// decode-attention-ab-prefetch-s18-zen5.json).
+// layer with both threads, 2 or 8 rows and 2-3 blocks ahead were slower: ad hoc variants in
+// bench/results/measure-load-zen5-s18.json; against the kernel before, decode-attention-ab-prefetch-s18-zen5.json).
 constexpr int64_t kRunRows = kAvx512 ? 4 : 0;      // 0: the whole next block before this one's rows
 template <typename T>
 struct NextBlock {
