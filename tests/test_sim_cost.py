@@ -160,6 +160,29 @@ def test_cpu_calibration_recovers_step_times_it_was_fitted_to():
         assert fitted.step([batch]).seconds == pytest.approx(seconds, rel=0.05)
 
 
+def test_a_packed_kernel_may_outrun_the_float32_matmul_peak_in_a_fit():
+    """Integer dot products outrun float32 FMAs (the vnni kernel ran ~3x the float32 matmul on a
+    Zen 5): a fit recovers a packed kernel's class above 1 and the prompt steps it prices, while the
+    dense classes stay capped at the measured peak. Capped at 1 (before), the fit left these prompt
+    steps at 1.9-2.4x their time."""
+    import dataclasses
+
+    from rackserve.sim.calibrate import _cpu, fit
+    from rackserve.sim.cost import packed_class
+    base = load_model_spec("smollm2-135m-instruct").with_precision("fp32", "fp32")
+    spec = dataclasses.replace(base, dense_weight_bytes=0.75, dequantize_above_tokens=10 ** 9, packed_kernel="vnni")
+    eff = {"gemm_flops": 0.6, "attn_flops": 0.4, "mem_bw": 0.9, "attn_mem_bw": 0.5, packed_class("vnni"): 3.0}
+    model = CostModel(spec, _cpu(300e9, 25e9, eff, (0.008, 0.002), "synthetic"))
+    batches = [[SeqWork(1, c)] * b for b in (1, 8, 32) for c in (256, 2048)] + \
+        [[SeqWork(n, 0)] * b for n in (128, 512) for b in (1, 4)]
+    points = [(b, model.step([b]).seconds) for b in batches]
+    fitted = fit(spec, points, 300e9, 25e9)
+    assert fitted.efficiency[packed_class("vnni")] > 2
+    assert all(v <= 1 for k, v in fitted.efficiency.items() if k != packed_class("vnni"))
+    for batch, seconds in points:
+        assert CostModel(spec, fitted).step([batch]).seconds == pytest.approx(seconds, rel=0.05)
+
+
 def test_a_prompt_chunks_attention_over_its_cached_prefix_runs_at_its_own_rate():
     """prefix_attn_flops prices a chunk's queries against its cached context only (by hand: new x
     context x the per-key FLOPs of every layer, at that class's rate instead of attn_flops');
