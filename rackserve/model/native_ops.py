@@ -23,7 +23,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx512 build's GEMV
     "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
-    "rs_dense_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],       # both builds' GEMV of a float32 weight
+    "rs_dense_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],       # both builds' GEMV of a float32 or bf16 weight
     "rs_avx2_set_many_rows": [_I64],                                # its few/many-rows crossover (tests)
     "rs_prefill_attention": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_prefill_attention_f16": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
@@ -183,8 +183,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
     found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim] in q's
-    dtype. The caches are float32, float16 or bfloat16 (a 16-bit cache's blocks widened once to
-    float32 into a scratch the float32 loops read); a bfloat16 q (a bf16 model's) is widened and
+    dtype. The caches are float32, float16 or bfloat16 (a 16-bit cache's values widened to float32 as
+    the avx512 build's loops load them, a block at a time into a scratch in the avx2 build's); a
+    bfloat16 q (a bf16 model's) is widened and
     the output rounded back, the arithmetic float32. None where the native library cannot (the
     caller gathers and runs SDPA)."""
     plain = (q.dim() == 3 and k_cache.dim() == 4 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
