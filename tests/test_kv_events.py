@@ -282,6 +282,43 @@ def test_dp_rank_k_publishes_on_port_plus_k():
         publisher.shutdown()
 
 
+def test_port_0_binds_a_port_per_rank_and_names_it():
+    """What `rackserve cluster` asks for: every rank's PUB and replay sockets on ports the OS picks
+    as it binds, named in the publishers' endpoints (GET /kv_events), and serving there."""
+    from rackserve.core.stats import DPRankStats, SchedulerStats
+    from rackserve.engine.kv_events import connectable
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0", topic="kv")
+    publisher = KVEventPublisher(cfg, data_parallel_size=2)
+    ctx = zmq.Context.instance()
+    subs = []
+    try:
+        ends = [p.endpoint for p in publisher.publishers] + [p.replay_endpoint for p in publisher.publishers]
+        ports = [int(e.rsplit(":", 1)[1]) for e in ends]
+        assert all(e.startswith("tcp://*:") for e in ends) and 0 not in ports and len(set(ports)) == 4, ends
+        for p in publisher.publishers:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            sub.connect(connectable(p.endpoint, "127.0.0.1"))
+            subs.append(sub)
+        time.sleep(0.3)
+        publisher.record(SchedulerStats(dp_ranks=[DPRankStats(kv_events=[AllBlocksCleared()])] * 2), IterationStats())
+        for rank, sub in enumerate(subs):
+            assert sub.poll(5000), f"rank {rank} sent nothing to its named endpoint"
+            assert vllm_decoder.decode(sub.recv_multipart()[2]).data_parallel_rank == rank
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(connectable(publisher.publishers[1].replay_endpoint, "127.0.0.1"))
+        subs.append(replay)
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert replay.poll(5000), "rank 1's replay did not answer at its named endpoint"
+        assert int.from_bytes(replay.recv_multipart()[1], "big") == 0
+    finally:
+        for sub in subs:
+            sub.close()
+        publisher.shutdown()
+
+
 def test_a_multi_group_cache_sends_each_groups_events_and_the_index_finds_its_hits():
     """DeepSeek-V4's cache (a sliding group, then compressed groups of 1 and 4 engine blocks a
     block): each prefix-cached group's stores and evictions go out with its group_idx, vLLM's

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -25,15 +26,20 @@ from rackserve.engine.stats import IterationStats, StatLogger
 logger = logging.getLogger(__name__)
 
 
-def _open(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
-    """Binds a wildcard address (tcp://*:port), connects to any other, as vLLM does."""
+def _open(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
+    """Binds a wildcard address (tcp://*:port), connects to any other, as vLLM does. Returns the
+    socket and its endpoint: a bound port 0 replaced by the port the OS picked, so nothing else can
+    take it between a caller's choice and the bind (what a port found free beforehand risks)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if "*" in endpoint or "0.0.0.0" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
         sock.bind(endpoint)
+        if re.fullmatch(r"tcp://.*:0", endpoint):
+            port = sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+            endpoint = f"{endpoint[:-1]}{port}"
     else:
         sock.connect(endpoint)
-    return sock
+    return sock, endpoint
 
 
 class ZmqEventPublisher:
@@ -46,12 +52,12 @@ class ZmqEventPublisher:
         self._queue: queue.SimpleQueue[tuple[float, list[KVCacheEvent]] | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ready = threading.Event()
-        self._error: BaseException | None = None
+        self._error: ValueError | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-events-dp{dp_rank}", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._error is not None:   # e.g. the port is taken: say so at startup, not never
-            raise ValueError(f"kv events: cannot open {self.endpoint}: {self._error}")
+            raise self._error
 
     def publish(self, ts: float, events: list[KVCacheEvent]) -> None:
         self._queue.put((ts, events))
@@ -63,12 +69,18 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
+        pub = replay = None
+        opening = self.endpoint
         try:
-            pub = _open(ctx, zmq.PUB, self.endpoint)
+            pub, self.endpoint = _open(ctx, zmq.PUB, opening)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
-            replay = _open(ctx, zmq.ROUTER, self.replay_endpoint) if self.replay_endpoint else None
+            if self.replay_endpoint:
+                opening = self.replay_endpoint
+                replay, self.replay_endpoint = _open(ctx, zmq.ROUTER, opening)
         except zmq.ZMQError as e:
-            self._error = e
+            if pub is not None:
+                pub.close()
+            self._error = ValueError(f"kv events: cannot open {opening}: {e}")
             self._ready.set()
             return
         self._ready.set()

@@ -84,10 +84,12 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 def dp_endpoint(endpoint: str, dp_rank: int) -> str:
     """DP rank k's endpoint, as vLLM names it: a TCP port moves up by k, an ipc/inproc name gets
-    a `_dp{k}` suffix."""
+    a `_dp{k}` suffix. Port 0 stays 0: each rank binds a port the OS picks (reported at /kv_events)."""
     if dp_rank == 0:
         return endpoint
     match = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
+    if match and int(match.group(2)) == 0:
+        return endpoint
     if match:
         return f"{match.group(1)}:{int(match.group(2)) + dp_rank}"
     return f"{endpoint}_dp{dp_rank}"

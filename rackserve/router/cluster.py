@@ -94,12 +94,11 @@ def kv_transfer_config(args: argparse.Namespace, role: str, pool_address: str | 
 
 def start_instance(args: argparse.Namespace, i: int, role: str, url: str, threads: int,
                    pool_address: str | None = None) -> subprocess.Popen:
-    """Instance i, serving at `url`; its KV events on free ports (the router reads them from its
-    /kv_events each time it joins, so a restarted instance may take new ones)."""
-    from rackserve.distributed.parallel_state import free_port
+    """Instance i, serving at `url`; its KV events on ports its publisher binds (port 0: the OS
+    picks them as it binds, so no other process can take them first; the router reads them from
+    /kv_events each time the instance joins, so a restarted instance may have new ones)."""
     from rackserve.kv_transfer.pool_cli import die_with_parent
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "kv"}
     kv = kv_transfer_config(args, role, pool_address)
     cmd = [sys.executable, "-m", "rackserve.serve.cli", "serve", *engine_flags(args), "--port", url.rsplit(":", 1)[1],
            "--kv-events-config", json.dumps(events), "--uvicorn-log-level", "warning"]
