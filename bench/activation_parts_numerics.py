@@ -10,8 +10,10 @@ large activations: transformers runs the GGUF in float32 with every projection's
 as a kernel would round it (one part, two parts, or two parts only where a block's max|x| exceeds
 tau times its row's RMS, decided per row or per tile of 12 rows as the kernel walks them), and
 the logits over one prompt are compared with the unrounded float32 run's (and transformers'
-bfloat16 run's, for scale). Prints, per variant, the share of blocks given two parts, max
-|logit diff|, mean KL and top-1 agreement, and writes them as JSON.
+bfloat16 run's, for scale). Then the engine itself, the packed GGUF through the real vnni kernel,
+once per --packed-activations mode (rs_vnni_gemv_parts: the "per row" rule at
+vnni_linear.ACTIVATION_PARTS's threshold). Prints, per variant, the share of blocks given two
+parts, max |logit diff|, mean KL and top-1 agreement, and writes them as JSON.
 
     python bench/activation_parts_numerics.py --taus 2,3,4,6,8 --output bench/results/activation-parts-smollm2.json
 """
@@ -89,6 +91,31 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "kl_max": float(kl.max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
 
 
+def engine_variants(path: str, ids: list[int], ref: torch.Tensor) -> list[dict]:
+    """The engine's own prefill logits (the packed GGUF in float32, the vnni kernel) per mode."""
+    from rackserve.config import ModelConfig
+    from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend
+    from rackserve.model.loader import load_model
+    from rackserve.model.native import unavailable_reason
+    if unavailable_reason(isa="avx512") is not None:
+        print(f"engine rows skipped: {unavailable_reason(isa='avx512')}")
+        return []
+    rows, n, block = [], len(ids), 16
+    for mode in ("two-part", "adaptive", "one-part"):
+        config = ModelConfig(path, "smol", path, "float32", "cpu", None, 0, quantization="gguf", native_isa="avx512",
+                             quant_kernel="vnni", packed_activations=mode)
+        model, info = load_model(config)
+        blocks = -(-n // block)   # one prefill of every token, its K/V in blocks 0, 1, ...
+        bind_kv_cache(model, [tuple(torch.zeros(blocks, block, info.num_kv_heads, info.head_dim) for _ in range(2))
+                              for _ in range(info.num_layers)])
+        meta = get_attn_backend("torch").build_metadata(
+            CommonAttentionMetadata([n], [0], [list(range(blocks))], torch.arange(n), block), torch.device("cpu"))
+        with torch.inference_mode():
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta)).float()
+        rows.append({"mode": f"engine {mode}", "tau": None, "two_part_share": None, **compare(ref, logits)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--taus", default="2,3,4,6,8", help="thresholds (max|x| of a block over its row's RMS)")
@@ -111,6 +138,7 @@ def main() -> None:
         got, share = logits_with(model, ids, mode, tau, lm_head)
         rows.append({"mode": mode + (" +lm_head" if lm_head else ""), "tau": tau, "two_part_share": share,
                      **compare(ref, got), "seconds": time.perf_counter() - start})
+    rows += engine_variants(path, ids[0].tolist(), ref)
     bf16 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         rows.append({"mode": "transformers bfloat16", "tau": None, "two_part_share": None,

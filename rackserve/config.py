@@ -32,6 +32,7 @@ class ModelConfig:
     quant_kernel_reason: str = ""   # why that kernel, for the startup log
     native_isa: str = "auto"        # build of the native library: "avx512" | "avx2" | "none" (model/native.py)
     native_isa_reason: str = ""     # why that build, for the startup log
+    packed_activations: str = "two-part"   # the vnni kernel's activations: two int8 parts, adaptive, one part
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,12 @@ class EngineArgs:
                              "VNNI, built once with g++), avx2 (the same with AVX2), int4 (torch's int4 "
                              "kernel); auto: the --native-isa build's (vnni, avx2), else int4",
                              choices=["auto", "vnni", "avx2", "int4"])
+    packed_activations: str = _opt("two-part", "int8 parts of each 32-value block of activations the vnni "
+                                   "kernel multiplies in calls of 64+ rows (prompt chunks): two-part: products "
+                                   "within ~1e-5 of float32's; one-part: llama.cpp's Q8 activations (twice the "
+                                   "integer throughput, about twice bf16's logit error); adaptive: two parts only "
+                                   "in blocks holding a large activation (about half bf16's error)",
+                                   choices=["two-part", "adaptive", "one-part"])
     native_isa: str = _opt("auto", "build of the native CPU library (fused decode ops and the vnni/avx2 "
                            "kernels): avx512 (AVX-512 VNNI), avx2 (AVX2+FMA+F16C, as AMD Zen), none "
                            "(torch ops only); auto: the widest the CPU has and g++ builds",
@@ -314,6 +321,9 @@ class EngineArgs:
         isa = resolve_native_isa(self.native_isa, device)
         kernel = resolve_quant_kernel(self.quant_kernel, quantization, device, isa.isa)
         dtype, dtype_reason = resolve_dtype(self.dtype, device, kernel.name if quantization == "gguf" else None)
+        _require(self.packed_activations == "two-part" or (quantization == "gguf" and kernel.name == "vnni"),
+                 f"--packed-activations {self.packed_activations} needs the vnni kernel on a GGUF's packed weights "
+                 f"(here: quantization {quantization}, kernel {kernel.name})")
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
@@ -329,6 +339,7 @@ class EngineArgs:
             quant_kernel_reason=kernel.reason,
             native_isa=isa.isa,
             native_isa_reason=isa.reason,
+            packed_activations=self.packed_activations,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,

@@ -92,6 +92,58 @@ def test_a_native_kernel_splits_a_wide_weight_over_threads_and_tile_groups(kerne
     assert float(err.max()) < TOLERANCE[kernel]
 
 
+def rounded_activations(x: torch.Tensor, tau: float) -> tuple[torch.Tensor, float]:
+    """x as the vnni kernel's --packed-activations sees it: per 32-value block q dx (q = x / dx
+    rounded, dx = max|x| / 127), plus r dx / 256 (the residual rounded in those steps) where the
+    block's max|x| exceeds tau times its row's RMS; and the share of blocks that kept r."""
+    rows, k = x.shape
+    b = x.reshape(rows, k // 32, 32)
+    top = b.abs().amax(-1, keepdim=True)
+    dx = top / 127
+    q = torch.round(b / dx).clamp(-127, 127) * dx
+    keep = top > tau * x.pow(2).mean(-1).sqrt()[:, None, None]
+    r = torch.round((b - q) / (dx / 256)).clamp(-128, 127) * (dx / 256)
+    return torch.where(keep, q + r, q).reshape(rows, k), float(keep.float().mean())
+
+
+@pytest.mark.skipif(unavailable_reason(isa="avx512") is not None, reason=str(unavailable_reason(isa="avx512")))
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("mode", ["one-part", "adaptive"])
+def test_fewer_activation_parts_multiply_exactly_what_they_round_to(qtype, mode):
+    """--packed-activations: calls of 64+ rows give the fp32 product of the dequantized weight with
+    x rounded as the mode says (within 1e-4 of a row's scale, ~1e-6 where one part is used: a wrong
+    block scale, a residual kept or dropped in the wrong block, or Q4_1's minimum taken from the exact
+    sum of x all show at 1e-3 and more), in 12-row tiles
+    where no row, some rows or every row kept a residual; calls of fewer rows keep both parts."""
+    from rackserve.model.quant.vnni_linear import ACTIVATION_PARTS
+    blocks, w = random_blocks(qtype, rows=96, cols=576)
+    linear = QUANT_KERNELS.get("vnni")(from_gguf(qtype, blocks))
+    two_part = QUANT_KERNELS.get("vnni")(from_gguf(qtype, blocks))
+    linear.use_activation_parts(mode)
+    for rows in (64, 100, 515):   # 100: tiles of 12 rows, then 4; 515: then 8, 4 and single rows
+        x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+        x[::3, 7] *= 20           # a large activation in every third row: tiles of mixed rows
+        x[1::5, 100:132] *= 6     # a block of large values: kept in adaptive, by some rows only
+        want, kept = rounded_activations(x, ACTIVATION_PARTS[mode])
+        assert (kept == 0.0) if mode == "one-part" else (0.005 < kept < 0.2), kept
+        scale = (x @ w.T).abs().amax(-1)
+        err = ((linear(x) - want @ w.T).abs().amax(-1) / scale).max()
+        assert float(err) < 1e-4, (rows, float(err))
+        # Against float32: one part leaves ~1e-2 of a row's scale, two parts ~1e-5.
+        assert float(((linear(x) - x @ w.T).abs().amax(-1) / scale).max()) > 1e-3
+    x = torch.randn(63, w.shape[1], generator=torch.Generator().manual_seed(63))
+    assert torch.equal(linear(x), two_part(x))
+
+
+def test_packed_activations_need_the_vnni_kernel(tmp_path, tiny_llama_dir):
+    from rackserve.config import EngineArgs
+    with pytest.raises(ValueError, match="needs the vnni kernel"):
+        EngineArgs(model=tiny_llama_dir, device="cpu", packed_activations="adaptive").create_engine_config()
+    blocks, _ = random_blocks("Q8_0")
+    with pytest.raises(ValueError, match="only the vnni kernel"):
+        QUANT_KERNELS.get("int4")(from_gguf("Q8_0", blocks)).use_activation_parts("one-part")
+
+
 @pytest.mark.skipif(unavailable_reason(isa="avx2") is not None, reason=str(unavailable_reason(isa="avx2")))
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_the_avx2_few_rows_path_on_a_wide_weight_over_two_threads(qtype):
@@ -235,6 +287,30 @@ def test_tiny_gguf_kept_quantized_matches_its_hf_original(fixture, qtype, native
     assert (ours_top5 == ref.argmax(-1, keepdim=True)).any(-1).all()
     assert (ref_top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(unavailable_reason(isa="avx512") is not None, reason=str(unavailable_reason(isa="avx512")))
+@pytest.mark.parametrize("mode", ["one-part", "adaptive"])
+def test_a_gguf_model_with_fewer_activation_parts_keeps_vllms_top5_rule(tiny_llama_dir, mode, request, tmp_path):
+    """--packed-activations through the loader: every packed linear takes the mode, and an 80-token
+    prefill (calls of 80 rows) stays within vLLM's top-5 rule of the HF original's logits."""
+    from gguf import GGMLQuantizationType as Q
+
+    from rackserve.model import native_ops
+    hf = load_hf(tiny_llama_dir)
+    path = write_gguf(hf, str(tmp_path / "tiny.gguf"), "llama", [Q["Q4_1"]])
+    config = ModelConfig(path, "tiny", path, "float32", "cpu", None, 0, quantization="gguf", native_isa="avx512",
+                         packed_activations=mode)
+    request.addfinalizer(lambda: native_ops.use_isa("auto"))
+    model, info = load_model(config)
+    packed = [m.quant for m in model.modules() if getattr(m, "quant", None) is not None]
+    assert packed and all(q.activation_tau is not None for q in packed)
+    ids = torch.randint(0, 512, (80,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = prefill_logits(model, info, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours.topk(5).indices == ref.argmax(-1, keepdim=True)).any(-1).all()
+    assert (ref.topk(5).indices == ours.argmax(-1, keepdim=True)).any(-1).all()
 
 
 def test_one_fused_layer_of_mixed_types_is_refused(tiny_llama_dir, tmp_path):

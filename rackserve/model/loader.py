@@ -118,6 +118,10 @@ def load_model(model_config: ModelConfig, attn_backend: str = "torch",
     for module in list(model.modules()):
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    if model_config.packed_activations != "two-part":
+        for module in model.modules():
+            if getattr(module, "quant", None) is not None:
+                module.quant.use_activation_parts(model_config.packed_activations)
     if model_config.device == "cpu" and dtype == torch.float32:
         keep_bf16_linears(model)
     return model.eval(), info

@@ -22,6 +22,7 @@ from rackserve.model.native import build_library, choose_isa, unavailable_reason
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "rs_vnni_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx512 build's GEMV
+    "rs_vnni_gemv_parts": [_P, _I64, _I64, _P, _I64, _I, _P, _I, _F],   # the same, one part where it may
     "rs_avx2_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],        # the avx2 build's
     "rs_dense_gemv": [_P, _I64, _I64, _P, _I64, _I, _P, _I],       # both builds' GEMV of a float32 or bf16 weight
     "rs_avx2_set_many_rows": [_I64],                                # its few/many-rows crossover (tests)

@@ -140,7 +140,8 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
               f"(metrics at {url}/metrics)\n"
               f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
               + (f"  native library {m.native_isa} ({m.native_isa_reason})\n" if m.device == "cpu" else "")
-              + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})\n"
+              + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})"
+                 + (f"; activations {m.packed_activations}" if m.packed_activations != "two-part" else "") + "\n"
                  if m.quantization == "gguf" else "") +
               f"{kv_groups_line(engine)}{kv_cache_line(engine.config)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",

@@ -13,13 +13,16 @@
 // and a block's product is d * (dx * (sum(code q) - offset sum(q)) + dr * (sum(code r) - offset
 // sum(r))) (+ m * sum(x) for Q4_1), offset 8 for Q4_0, 128 for Q8_0, 0 for Q4_1: GGUF's own
 // numerics (w = d (q - 8), d q + m, d q). quant/vnni_linear.py packs the records and calls
-// rs_vnni_gemv through ctypes (a plain C ABI and no torch headers: it compiles in a second).
+// rs_vnni_gemv through ctypes (a plain C ABI and no torch headers: it compiles in a second), or
+// rs_vnni_gemv_parts (--packed-activations), which keeps the residual part only in the blocks that
+// hold a large activation and skips its dot products where a tile of rows kept none.
 // Threads are OpenMP's, from the runtime torch itself loaded (one libgomp.so.1 in the process).
 // This file must never allocate or own weights.
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include "quantized_rows.h"
 
@@ -44,31 +47,63 @@ inline __m512i to_int8(__m512 v, float inv_d, int8_t* out) {
 // power-of-two ratio lets the multi-row path (tile_rows) join a block's two integer sums into one,
 // 2^kResidualBits sum(code q) + sum(code r), exactly, and scale that once.
 // Into the calling thread's own buffers (quantized_rows.h), kept from call to call.
+
+//
+// kAdaptive (rs_vnni_gemv_parts, --packed-activations): a block keeps its residual only where its
+// largest value exceeds tau times its row's RMS (a large activation, whose int8 step would leave the
+// block's other values a few steps wide); elsewhere the residual's codes and sum are zero, which is
+// one part exactly, and `two` [T, blocks] says which, so that a tile of rows with none skips those
+// dot products. fsum is then the sum of the values the dot products see (dx q + dr r), not of x:
+// with Q4_1's w = d c + m, an exact m sum(x) beside d sum(c (dx q)) leaves the rounding of x weighted
+// by d c (all of one sign) where the dequantized weight would weigh it by w (KL 2.5e-2 against 4e-3
+// over SmolLM2's 400-token check with one part everywhere; bench/activation_parts_numerics.py).
 constexpr int kResidualBits = 8;
 
-const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads) {
-  const int64_t n = rows * (k / kGroup);
+template <bool kAdaptive = false>
+const QuantizedRows& quantize_rows(const float* x, int64_t rows, int64_t k, int threads, float tau = 0.f,
+                                   uint8_t* two = nullptr) {
+  const int64_t nb = k / kGroup, n = rows * nb;
   thread_local QuantizedRows out;
   out.fit(rows, k, kGroup);
   QuantizedRows& o = out;   // the calling thread's buffers, filled by the team below
+  std::vector<float> rms;
+  if constexpr (kAdaptive) {
+    rms.resize(rows);
+#pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) {
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t c = 0; c < k; c += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i * k + c);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      rms[i] = std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(k));
+    }
+  }
   // A prefill chunk's rows split over the threads (512 rows of 1536: ~0.3 ms on one); a decode
   // batch's few blocks stay on the calling thread, where waking the team would cost more.
 #pragma omp parallel for num_threads(threads) if (n >= 2048) schedule(static)
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * kGroup;
     __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.f;
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = top / 127.f;
     const float inv = d > 0.f ? 1.f / d : 0.f;
     __m512i qlo = to_int8(lo, inv, o.q.data() + b * kGroup), qhi = to_int8(hi, inv, o.q.data() + b * kGroup + 16);
     __m512 rlo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), _mm512_set1_ps(d), lo);
     __m512 rhi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), _mm512_set1_ps(d), hi);
-    const float inv_r = inv * (1 << kResidualBits);
+    float inv_r = inv * (1 << kResidualBits);
+    if constexpr (kAdaptive) {
+      const bool keep = top > tau * rms[b / nb];
+      two[b] = keep;
+      if (!keep) inv_r = 0.f;
+    }
     __m512i slo = to_int8(rlo, inv_r, o.r.data() + b * kGroup), shi = to_int8(rhi, inv_r, o.r.data() + b * kGroup + 16);
     o.dx[b] = d;
     o.dr[b] = d * (1.f / (1 << kResidualBits));
-    o.fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     o.qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     o.rsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(slo, shi));
+    if constexpr (kAdaptive) o.fsum[b] = d * static_cast<float>(o.qsum[b]) + o.dr[b] * static_cast<float>(o.rsum[b]);
+    else o.fsum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
   return out;
 }
@@ -147,9 +182,12 @@ __attribute__((always_inline)) inline __m512i block_codes(const uint8_t* rec, in
 // and scaled once by d * dr. The dot products (5 cycles' latency, two ports) need ~10 independent
 // chains: up to 8 rows, each row's q and r sums are chains of their own (the codes unpacked once
 // for both); at 12, one chain a row (q, the shift, then r) keeps the registers for the rows.
-template <int kKind, int kRows>
+// kAdaptive: `two` (quantize_rows) says which blocks of which rows kept a residual; a block where
+// none of the kRows rows did skips the residual's dot products (their codes are all zero).
+template <int kKind, int kRows, bool kAdaptive = false>
 __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t nb, const QuantizedRows& x,
-                                                     int64_t row, int64_t k, float* y, int64_t y_stride) {
+                                                     int64_t row, int64_t k, float* y, int64_t y_stride,
+                                                     const uint8_t* two = nullptr) {
   constexpr int kCodeBytes = kKind == 2 ? 512 : 256;
   constexpr int kRecBytes = kCodeBytes + (kKind == 1 ? 64 : 32);
   constexpr int kOffset = kKind == 0 ? 8 : (kKind == 2 ? 128 : 0);
@@ -170,6 +208,13 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
     __m512i s[kRows];
 #pragma GCC unroll 16
     for (int i = 0; i < kRows; ++i) s[i] = _mm512_setzero_si512();
+    bool residual = true;
+    if constexpr (kAdaptive) {
+      uint8_t any = 0;
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) any |= two[(row + i) * nb + b];
+      residual = any != 0;
+    }
     if constexpr (kOneChain) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -179,12 +224,23 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
       }
 #pragma GCC unroll 16
       for (int i = 0; i < kRows; ++i) s[i] = _mm512_slli_epi32(s[i], kResidualBits);
+      if (residual) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i w = block_codes<kKind>(rec, j);
+#pragma GCC unroll 16
+          for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, br(i, j));
+        }
+      }
+    } else if (kAdaptive && !residual) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512i w = block_codes<kKind>(rec, j);
 #pragma GCC unroll 16
-        for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, br(i, j));
+        for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, bq(i, j));
       }
+#pragma GCC unroll 16
+      for (int i = 0; i < kRows; ++i) s[i] = _mm512_slli_epi32(s[i], kResidualBits);
     } else {
       __m512i t[kRows];
 #pragma GCC unroll 16
@@ -218,9 +274,9 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
   for (int i = 0; i < kRows; ++i) _mm512_storeu_ps(y + (row + i) * y_stride, acc[i]);
 }
 
-template <int kKind>
+template <int kKind, bool kAdaptive = false>
 void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, float* y,
-          int threads) {
+          int threads, const uint8_t* two = nullptr) {
   constexpr int64_t kRecBytes = kKind == 2 ? 544 : (kKind == 1 ? 320 : 288);
   const int64_t nb = k / kGroup, width = tiles * kTile;
   // Few tiles (a small layer): fewer threads, so that no thread wakes for a sliver of work.
@@ -240,7 +296,8 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
       const int64_t g1 = std::min(tb, g0 + group);
       auto pass = [&](auto rows_at_once, int64_t r) {
         for (int64_t t = g0; t < g1; ++t)
-          tile_rows<kKind, decltype(rows_at_once)::value>(packed + t * nb * kRecBytes, nb, xq, r, k, y + t * kTile, width);
+          tile_rows<kKind, decltype(rows_at_once)::value, kAdaptive>(packed + t * nb * kRecBytes, nb, xq, r, k,
+                                                                     y + t * kTile, width, two);
       };
       int64_t r = 0;
       for (; r + 12 <= rows; r += 12) pass(std::integral_constant<int, 12>{}, r);
@@ -270,5 +327,21 @@ extern "C" int rs_vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8
   if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
   else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
   else gemv<2>(xq, rows, k, packed, tiles, y, threads);
+  return 0;
+}
+
+// rs_vnni_gemv with a block's residual part kept only where its largest |x| exceeds tau times its
+// row's RMS (quantize_rows<true>): tau = INFINITY is one int8 part everywhere (llama.cpp's Q8
+// activations); tau <= 0 is rs_vnni_gemv itself. The residual's dot products are skipped in tiles
+// of rows that kept none for a block.
+extern "C" int rs_vnni_gemv_parts(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
+                                  int kind, float* y, int threads, float tau) {
+  if (!(tau > 0.f)) return rs_vnni_gemv(x, rows, k, packed, tiles, kind, y, threads);
+  if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
+  std::vector<uint8_t> two(rows * (k / kGroup));
+  const QuantizedRows& xq = quantize_rows<true>(x, rows, k, threads, tau, two.data());
+  if (kind == 0) gemv<0, true>(xq, rows, k, packed, tiles, y, threads, two.data());
+  else if (kind == 1) gemv<1, true>(xq, rows, k, packed, tiles, y, threads, two.data());
+  else gemv<2, true>(xq, rows, k, packed, tiles, y, threads, two.data());
   return 0;
 }

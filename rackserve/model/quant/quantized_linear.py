@@ -34,6 +34,11 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales.clone())
         self.register_buffer("zeros", weight.zeros.clone())
 
+    def use_activation_parts(self, mode: str) -> None:
+        """--packed-activations; only the vnni kernel (vnni_linear.py) has a choice."""
+        if mode != "two-part":
+            raise ValueError(f"--packed-activations {mode}: only the vnni kernel has it, not {type(self).__name__}")
+
     def weight_bytes_per_token(self) -> int:
         """Bytes one decode step reads from the kernel's packed form."""
         raise NotImplementedError

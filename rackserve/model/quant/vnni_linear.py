@@ -7,12 +7,14 @@ file: 0.625 (Q4_1), 0.5625 (Q4_0), 1.0625 (Q8_0).
 
 Each block of activations is written as two int8 parts (the int8 quantization and that of its
 residual), so outputs match the fp32 matmul of the dequantized weight to ~1e-5 of a row's scale,
-where llama.cpp's one part leaves ~0.5%. The native library (model/native.py)
-holds the kernel; this file must never read checkpoints.
+where llama.cpp's one part leaves ~0.5%. --packed-activations trades that for prompt-chunk speed
+(ACTIVATION_PARTS). The native library (model/native.py) holds the kernel; this file must never
+read checkpoints.
 """
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 
 import torch
@@ -25,6 +27,13 @@ from rackserve.model.quant.quantized_linear import QUANT_KERNELS, QuantizedLinea
 
 TILE = 16                                   # output rows a tile interleaves: the int32 lanes of a zmm
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the kernel's `kind`
+# --packed-activations: a block keeps its residual part where its largest |x| exceeds this many times
+# its row's RMS (rs_vnni_gemv_parts); None: everywhere. The adaptive threshold is measured in
+# docs/benchmarks.md ("Nineteenth round"): ~30% of the residual work left, about half bf16's KL.
+ACTIVATION_PARTS = {"two-part": None, "adaptive": 6.0, "one-part": math.inf}
+# Calls of fewer rows keep both parts: a decode step's few rows wait on the weight's bytes, not on
+# the dot products (and the native decode step calls rs_vnni_gemv itself).
+PARTS_MIN_ROWS = 64
 
 
 def _tiles_of(rows_first: torch.Tensor, tiles: int, tile: int) -> torch.Tensor:
@@ -80,11 +89,20 @@ class VnniLinear(QuantizedLinear):
             raise RuntimeError(f"this quantized-linear kernel cannot run here: {unavailable_reason(isa=self.isa)} "
                                "(use --quant-kernel auto or int4)")
         self._gemv = getattr(lib, self.gemv)
+        self._gemv_parts = getattr(lib, "rs_vnni_gemv_parts", None) if self.gemv == "rs_vnni_gemv" else None
+        self.activation_tau: float | None = None
         self.kind = KINDS[weight.qtype]
         self.register_buffer("packed", pack(weight, self.tile, self.signed_q8))
 
     def weight_bytes_per_token(self) -> int:
         return self.packed.numel()
+
+    def use_activation_parts(self, mode: str) -> None:
+        """--packed-activations: two int8 parts everywhere, one part, or one where a block holds no
+        large activation (ACTIVATION_PARTS), in calls of PARTS_MIN_ROWS rows or more."""
+        if mode != "two-part" and self._gemv_parts is None:
+            raise ValueError(f"--packed-activations {mode}: only the vnni kernel has it, not {self.gemv}")
+        self.activation_tau = ACTIVATION_PARTS[mode]
 
     def native_gemv(self) -> tuple[int, int]:
         """(address of the C function that multiplies `packed`, output rows a tile): what the native
@@ -95,7 +113,11 @@ class VnniLinear(QuantizedLinear):
         xf = x.to(torch.float32).contiguous()
         tiles = self.packed.shape[0]
         y = torch.empty(xf.shape[0], tiles * self.tile)
-        rc = self._gemv(xf.data_ptr(), xf.shape[0], self.in_features, self.packed.data_ptr(), tiles, self.kind,
-                        y.data_ptr(), torch.get_num_threads())
+        args = (xf.data_ptr(), xf.shape[0], self.in_features, self.packed.data_ptr(), tiles, self.kind, y.data_ptr(),
+                torch.get_num_threads())
+        if self.activation_tau is not None and xf.shape[0] >= PARTS_MIN_ROWS:
+            rc = self._gemv_parts(*args, self.activation_tau)
+        else:
+            rc = self._gemv(*args)
         assert rc == 0, f"{self.gemv} refused its arguments"
         return (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
