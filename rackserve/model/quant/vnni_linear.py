@@ -29,7 +29,7 @@ TILE = 16                                   # output rows a tile interleaves: th
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}   # the kernel's `kind`
 # --packed-activations: a block keeps its residual part where its largest |x| exceeds this many times
 # its row's RMS (rs_vnni_gemv_parts); None: everywhere. The adaptive threshold is measured in
-# docs/benchmarks.md ("Nineteenth round"): ~30% of the residual work left, about half bf16's KL.
+# docs/benchmarks.md ("Nineteenth round"): ~30% of the residual work left, ~0.6x bf16's logit KL.
 ACTIVATION_PARTS = {"two-part": None, "adaptive": 6.0, "one-part": math.inf}
 # Calls of fewer rows keep both parts: a decode step's few rows wait on the weight's bytes, not on
 # the dot products (and the native decode step calls rs_vnni_gemv itself).
