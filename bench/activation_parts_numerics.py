@@ -24,12 +24,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rackserve.bench.record import machine_state
-from rackserve.config import smollm2_gguf_path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rackserve.bench.record import machine_state  # noqa: E402
+from rackserve.config import smollm2_gguf_path  # noqa: E402
+from tests.test_model_parity import prefill_logits  # noqa: E402  (one prefill through a paged cache)
 
 BLOCK, TILE_ROWS = 32, 12
 
@@ -94,25 +97,18 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
 def engine_variants(path: str, ids: list[int], ref: torch.Tensor) -> list[dict]:
     """The engine's own prefill logits (the packed GGUF in float32, the vnni kernel) per mode."""
     from rackserve.config import ModelConfig
-    from rackserve.model.attention import CommonAttentionMetadata, bind_kv_cache, get_attn_backend
     from rackserve.model.loader import load_model
     from rackserve.model.native import unavailable_reason
     if unavailable_reason(isa="avx512") is not None:
         print(f"engine rows skipped: {unavailable_reason(isa='avx512')}")
         return []
-    rows, n, block = [], len(ids), 16
+    rows = []
     for mode in ("two-part", "adaptive", "one-part"):
         config = ModelConfig(path, "smol", path, "float32", "cpu", None, 0, quantization="gguf", native_isa="avx512",
                              quant_kernel="vnni", packed_activations=mode)
         model, info = load_model(config)
-        blocks = -(-n // block)   # one prefill of every token, its K/V in blocks 0, 1, ...
-        bind_kv_cache(model, [tuple(torch.zeros(blocks, block, info.num_kv_heads, info.head_dim) for _ in range(2))
-                              for _ in range(info.num_layers)])
-        meta = get_attn_backend("torch").build_metadata(
-            CommonAttentionMetadata([n], [0], [list(range(blocks))], torch.arange(n), block), torch.device("cpu"))
-        with torch.inference_mode():
-            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta)).float()
-        rows.append({"mode": f"engine {mode}", "tau": None, "two_part_share": None, **compare(ref, logits)})
+        rows.append({"mode": f"engine {mode}", "tau": None, "two_part_share": None,
+                     **compare(ref, prefill_logits(model, info, ids).float())})
     return rows
 
 

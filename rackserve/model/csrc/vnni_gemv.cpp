@@ -47,7 +47,6 @@ inline __m512i to_int8(__m512 v, float inv_d, int8_t* out) {
 // power-of-two ratio lets the multi-row path (tile_rows) join a block's two integer sums into one,
 // 2^kResidualBits sum(code q) + sum(code r), exactly, and scale that once.
 // Into the calling thread's own buffers (quantized_rows.h), kept from call to call.
-
 //
 // kAdaptive (rs_vnni_gemv_parts, --packed-activations): a block keeps its residual only where its
 // largest value exceeds tau times its row's RMS (a large activation, whose int8 step would leave the
@@ -215,7 +214,9 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
       for (int i = 0; i < kRows; ++i) any |= two[(row + i) * nb + b];
       residual = any != 0;
     }
-    if constexpr (kOneChain) {
+    // One chain a row, or (kAdaptive) any rows when none kept this block's residual: then the q
+    // part alone, shifted as if the r part (all zero) followed.
+    if (kOneChain || !residual) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const __m512i w = block_codes<kKind>(rec, j);
@@ -232,15 +233,6 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* rec, int64_t
           for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, br(i, j));
         }
       }
-    } else if (kAdaptive && !residual) {
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512i w = block_codes<kKind>(rec, j);
-#pragma GCC unroll 16
-        for (int i = 0; i < kRows; ++i) s[i] = dpbusd_bcst(s[i], w, bq(i, j));
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < kRows; ++i) s[i] = _mm512_slli_epi32(s[i], kResidualBits);
     } else {
       __m512i t[kRows];
 #pragma GCC unroll 16
@@ -316,18 +308,25 @@ void gemv(const QuantizedRows& xq, int64_t rows, int64_t k, const uint8_t* packe
   }
 }
 
+template <bool kAdaptive>
+int vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles, int kind, float* y,
+              int threads, float tau) {
+  if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
+  std::vector<uint8_t> two(kAdaptive ? rows * (k / kGroup) : 0);
+  const QuantizedRows& xq = quantize_rows<kAdaptive>(x, rows, k, threads, tau, two.data());
+  if (kind == 0) gemv<0, kAdaptive>(xq, rows, k, packed, tiles, y, threads, two.data());
+  else if (kind == 1) gemv<1, kAdaptive>(xq, rows, k, packed, tiles, y, threads, two.data());
+  else gemv<2, kAdaptive>(xq, rows, k, packed, tiles, y, threads, two.data());
+  return 0;
+}
+
 }  // namespace
 
 // y [rows, tiles * 16] = x [rows, k] times the packed weight of `tiles` tiles. kind: 0 Q4_0, 1 Q4_1,
 // 2 Q8_0. Returns 0, or -1 for arguments it cannot take (the caller checks shapes first).
 extern "C" int rs_vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                             int kind, float* y, int threads) {
-  if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  const QuantizedRows& xq = quantize_rows(x, rows, k, threads);
-  if (kind == 0) gemv<0>(xq, rows, k, packed, tiles, y, threads);
-  else if (kind == 1) gemv<1>(xq, rows, k, packed, tiles, y, threads);
-  else gemv<2>(xq, rows, k, packed, tiles, y, threads);
-  return 0;
+  return vnni_gemv<false>(x, rows, k, packed, tiles, kind, y, threads, 0.f);
 }
 
 // rs_vnni_gemv with a block's residual part kept only where its largest |x| exceeds tau times its
@@ -336,12 +335,6 @@ extern "C" int rs_vnni_gemv(const float* x, int64_t rows, int64_t k, const uint8
 // of rows that kept none for a block.
 extern "C" int rs_vnni_gemv_parts(const float* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t tiles,
                                   int kind, float* y, int threads, float tau) {
-  if (!(tau > 0.f)) return rs_vnni_gemv(x, rows, k, packed, tiles, kind, y, threads);
-  if (k % kGroup || rows < 0 || tiles < 0 || kind < 0 || kind > 2 || threads < 1) return -1;
-  std::vector<uint8_t> two(rows * (k / kGroup));
-  const QuantizedRows& xq = quantize_rows<true>(x, rows, k, threads, tau, two.data());
-  if (kind == 0) gemv<0, true>(xq, rows, k, packed, tiles, y, threads, two.data());
-  else if (kind == 1) gemv<1, true>(xq, rows, k, packed, tiles, y, threads, two.data());
-  else gemv<2, true>(xq, rows, k, packed, tiles, y, threads, two.data());
-  return 0;
+  return tau > 0.f ? vnni_gemv<true>(x, rows, k, packed, tiles, kind, y, threads, tau)
+                   : vnni_gemv<false>(x, rows, k, packed, tiles, kind, y, threads, 0.f);
 }

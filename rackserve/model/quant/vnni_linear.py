@@ -89,7 +89,7 @@ class VnniLinear(QuantizedLinear):
             raise RuntimeError(f"this quantized-linear kernel cannot run here: {unavailable_reason(isa=self.isa)} "
                                "(use --quant-kernel auto or int4)")
         self._gemv = getattr(lib, self.gemv)
-        self._gemv_parts = getattr(lib, "rs_vnni_gemv_parts", None) if self.gemv == "rs_vnni_gemv" else None
+        self._gemv_parts = getattr(lib, "rs_vnni_gemv_parts", None)   # the avx512 build's only
         self.activation_tau: float | None = None
         self.kind = KINDS[weight.qtype]
         self.register_buffer("packed", pack(weight, self.tile, self.signed_q8))
