@@ -34,6 +34,9 @@ class ModelConfig:
     native_isa_reason: str = ""     # why that build, for the startup log
     packed_activations: str = "two-part"   # the vnni kernel's activations: two int8 parts, adaptive, one part
 
+# --kv-cache-dtype's vLLM names of the 8-bit float caches -> the torch dtype names CacheConfig holds.
+KV_CACHE_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -250,9 +253,12 @@ class EngineArgs:
     kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
     kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: the model's. bfloat16 or float16 under "
                                "float32 weights hold twice the tokens and halve what decode attention "
-                               "reads, at 16-bit precision of K and V; on CPU float16 keeps the native "
-                               "attention kernels, bfloat16 takes the torch path",
-                               choices=["auto", "float32", "bfloat16", "float16"])
+                               "reads, at 16-bit precision of K and V; fp8 (= fp8_e4m3, OCP e4m3fn) and "
+                               "fp8_e5m2 four times the tokens at 8-bit floats (values stored unscaled, "
+                               "saturating at the format's largest, as vLLM's fp8 cache with scales of "
+                               "1.0); on CPU float16 and fp8 keep the native attention kernels, "
+                               "bfloat16 the native decode attention only",
+                               choices=["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"])
     num_gpu_blocks_override: int | None = _opt(None, "exact number of KV blocks (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
     seed: int = _opt(0, "seed of the sampler for requests without their own seed")
@@ -343,7 +349,8 @@ class EngineArgs:
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
                             self.num_gpu_blocks_override,
-                            None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
+                            None if self.kv_cache_dtype == "auto" else
+                            KV_CACHE_DTYPE_NAMES.get(self.kv_cache_dtype, self.kv_cache_dtype))
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         _require(self.max_waiting_tokens >= 0, "max_waiting_tokens must be >= 0")
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold,

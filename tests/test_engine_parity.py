@@ -134,6 +134,47 @@ def test_bfloat16_kv_cache_holds_twice_the_blocks_and_keeps_greedy_tokens_in_top
     assert identical_or_within_top(fp32, bf16) >= len(prompts) // 2
 
 
+# K and V; MLA's latent; DeepSeek-V4's window, compressed entries and their pooling's state.
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_deepseek_v3_dir", "tiny_deepseek_v4_kv_dir"])
+@pytest.mark.parametrize("kv_dtype,fp8", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)],
+                         ids=["fp8", "fp8_e5m2"])
+def test_an_8_bit_float_kv_cache_computes_what_a_float32_cache_of_its_values_does(request, monkeypatch, fixture,
+                                                                                   kv_dtype, fp8):
+    # --kv-cache-dtype fp8 / fp8_e5m2 under float32 weights, against a float32 cache whose every
+    # write is rounded through the same format (the native decode step, which writes its own, off in
+    # both runs: tests/test_native_decode.py pins its writes): both runs attend over the same values,
+    # so the same greedy tokens and logprobs, and four times the blocks in the same GiB (the
+    # sliding-window groups of V4 are a fixed share, so more). Accuracy on a real model is a
+    # benchmark's (docs/benchmarks.md): a tiny random model's near-tied logits tell nothing of it.
+    from rackserve.executor import model_runner
+    from rackserve.model import attention, torch_attention, torch_dsv4_attention, torch_mla_attention
+
+    def rounded(cache, slots, values):
+        limit = torch.finfo(fp8).max
+        attention.write_cache(cache, slots, values.clamp(-limit, limit).to(fp8).to(values.dtype))
+    model_dir = request.getfixturevalue(fixture)
+    prompts = prompts_for(transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    runs = {}
+    monkeypatch.setattr(model_runner, "native_decoder", lambda model: None)
+    for dtype in ("auto", kv_dtype):
+        with monkeypatch.context() as m:
+            if dtype == "auto":
+                for module in (torch_attention, torch_mla_attention, torch_dsv4_attention):
+                    m.setattr(module, "write_cache", rounded)
+            with LLM(model=model_dir, dtype="float32", device="cpu", kv_cache_memory=0.01,
+                     max_num_batched_tokens=64, kv_cache_dtype=dtype) as llm:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                llm.engine.core.scheduler.check_integrity()
+                runs[dtype] = (llm.engine.core.scheduler.kv.num_blocks, outs)
+    (fp32_blocks, ref), (fp8_blocks, ours) = runs["auto"], runs[kv_dtype]
+    assert (fp8_blocks >= 4 * fp32_blocks) if fixture == "tiny_deepseek_v4_kv_dir" else (fp8_blocks // 4 == fp32_blocks)
+    for a, b in zip(ours, ref, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
 def test_float16_kv_cache_decodes_natively_with_the_greedy_tokens_of_the_sdpa_path(tiny_llama_dir, monkeypatch):
     # --kv-cache-dtype float16 under float32 weights: decode attention reads the half cache in place
     # (native_ops.paged_decode_attention, widening each block once); without it the torch path gathers

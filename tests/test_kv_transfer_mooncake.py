@@ -77,7 +77,7 @@ def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_
 
 
 @pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),
-                                                          ("tiny_llama_dir", "bfloat16")])
+                                                          ("tiny_llama_dir", "bfloat16"), ("tiny_llama_dir", "fp8")])
 def test_disaggregated_greedy_tokens_match_one_instance(request, model_fixture, kv_cache_dtype):
     path = request.getfixturevalue(model_fixture)
     opts = {"kv_cache_dtype": kv_cache_dtype}

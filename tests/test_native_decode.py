@@ -95,13 +95,15 @@ def test_native_decode_steps_match_the_module_path_and_transformers(tiny_gguf, m
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
-def test_a_float16_kv_cache_decodes_natively_as_the_module_path(tiny_gguf, monkeypatch, isa):
-    # The loop writes K/V rounded to nearest even (F16C) where the modules write k.to(float16),
-    # and both read them with the float16 kernel: the same cache bits, so the same tokens and
-    # logprobs up to the float32 rounding of the float32-cache test above.
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "fp8", "fp8_e5m2"])
+def test_a_narrower_kv_cache_decodes_natively_as_the_module_path(tiny_gguf, monkeypatch, isa, kv_cache_dtype):
+    # The loop writes K/V rounded to nearest even (F16C, or kv_fp8.h's codes) where the modules
+    # write k.to(float16) or the clamped cast to an 8-bit float (attention.write_cache), and both
+    # read them with the same kernel: the same cache bits, so the same tokens and logprobs up to
+    # the float32 rounding of the float32-cache test above.
     path, _ = tiny_gguf
-    _same_tokens_and_logprobs(_generate(path, True, monkeypatch, isa, "float16"),
-                              _generate(path, False, monkeypatch, isa, "float16"))
+    _same_tokens_and_logprobs(_generate(path, True, monkeypatch, isa, kv_cache_dtype),
+                              _generate(path, False, monkeypatch, isa, kv_cache_dtype))
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)

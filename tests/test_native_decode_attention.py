@@ -21,13 +21,18 @@ def lib(request):
     return native_ops.load(request.param)
 
 
+# The cache dtypes each entry point reads: the 8-bit floats' codes are widened through float16's bits.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
 def _attend(lib, q, k_cache, v_cache, tables, lens, scale, threads):
     rows, heads, hd = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     out = torch.empty(rows, heads * hd)
     table, lens = torch.tensor(sum(tables, [])), torch.tensor(lens)      # alive through the call
     fn = {torch.float32: lib.rs_paged_decode_attention, torch.float16: lib.rs_paged_decode_attention_f16,
-          torch.bfloat16: lib.rs_paged_decode_attention_bf16}[k_cache.dtype]
+          torch.bfloat16: lib.rs_paged_decode_attention_bf16, torch.float8_e4m3fn: lib.rs_paged_decode_attention_fp8e4m3,
+          torch.float8_e5m2: lib.rs_paged_decode_attention_fp8e5m2}[k_cache.dtype]
     assert fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                          table.data_ptr(), len(tables[0]), lens.data_ptr(), rows, heads,
                                          kv_heads, hd, bs, scale, out.data_ptr(), threads) == 0
@@ -45,14 +50,14 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     rows = []
     for r, (table, n) in enumerate(zip(tables, lens)):
-        k = k_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1).double()
-        v = v_cache[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1).double()
+        k = k_cache[table].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
+        v = v_cache[table].flatten(0, 1)[:n].double().repeat_interleave(heads // kv_heads, dim=1)
         p = (torch.einsum("hd,nhd->hn", q[r].double(), k) * scale).softmax(-1)
         rows.append(torch.einsum("hn,nhd->hd", p, v).flatten().float())
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4)])
 # 24: the plain loop on avx512, the vector path on avx2; 20: the plain loop on both.
 @pytest.mark.parametrize("hd", [64, 128, 24, 20])
@@ -73,7 +78,7 @@ def test_a_long_context_split_over_threads_matches_torch(lib, hd, heads, kv_head
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 # On avx2 a KV head's group of 2-4 query heads is scored and accumulated against each K/V row
 # loaded once (register-blocked); groups 3 and 4 take tiles of 4 and 3 keys, so a block of 16
 # leaves a 1-key tail at group 4; head_dim 16 and 32: 2 and 4 vectors (the value chunk of 2 and 4);

@@ -1,6 +1,7 @@
 """The native library's fused decode ops (model/native_ops.py) against the torch forms they
 replace, on float32 CPU rows: residual add + RMSNorm (and its residual updated in place), SiLU-and-
-mul, neox RoPE in place on a fused qkv row, and a dense weight's GEMV for a decode step's rows; and the torch forms where the library does not run
+mul, neox RoPE in place on a fused qkv row, a dense weight's GEMV for a decode step's rows, and the
+native decode step's rounding of K/V into an 8-bit float cache; and the torch forms where the library does not run
 (bf16, --native-isa none). Each test runs on both builds (avx512 and avx2: an AVX-512 machine runs
 both), skipped where a build cannot build or run (its reason is the skip reason).
 """
@@ -169,3 +170,21 @@ def test_paged_decode_attention_softmax_over_a_long_spread_context():
     assert float(scores.max() - scores.min()) > 60
     torch.testing.assert_close(out.view(heads, hd), scores.softmax(-1) @ v, rtol=1e-5, atol=1e-5)
     assert float(torch.tensor(1e-39) * 1.0) > 0
+
+
+@pytest.mark.parametrize("dtype,code", [(torch.float8_e4m3fn, 3), (torch.float8_e5m2, 4)])
+def test_kv_rounding_to_an_8_bit_float_is_torchs_saturating_cast_bit_for_bit(dtype, code):
+    # decode_loop.cpp's rs_store_kv against attention.write_cache's clamp and cast: values across
+    # both formats' subnormals, normals and beyond their largest (448, 57344: saturated, where
+    # torch's e5m2 cast alone gives inf), exact ties of both grids, signed zeros, infinities, NaN.
+    import ctypes
+    g = torch.Generator().manual_seed(code)
+    x = torch.cat([torch.randn(20000, generator=g) * 10.0 ** e for e in range(-6, 6)] +
+                  [torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 448.0, 464.0, 480.0,
+                                 57344.0, 61440.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -17, 3 * 2.0 ** -17,
+                                 1.0625, 1.1875, 1.125 + 2.0 ** -4])])
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    assert native_ops.library().rs_store_kv(out.data_ptr(), x.data_ptr(), x.numel(), code) == 0
+    limit = torch.finfo(dtype).max
+    torch.testing.assert_close(out, x.clamp(-limit, limit).to(dtype).view(torch.uint8), rtol=0, atol=0)
+    assert native_ops.library().rs_store_kv(out.data_ptr(), x.data_ptr(), x.numel(), 9) == -1

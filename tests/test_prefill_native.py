@@ -49,7 +49,7 @@ def test_blocked_causal_attention_matches_sdpa(ctx, n):
 
 
 @pytest.mark.parametrize("build", BUILDS, indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("ctx,n,block_size,heads,kvh,hd", [(0, 37, 16, 6, 2, 32), (45, 20, 8, 6, 2, 32),
                                                             (29, 21, 5, 10, 2, 80), (800, 9, 16, 4, 1, 16)])
 def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_size, heads, kvh, hd, dtype, build):
@@ -58,15 +58,16 @@ def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_
     n not a multiple of the kernel's 16 rows, a head_dim of 2 or 5 vectors, a block size that is no
     power of two; and one item (9 rows, one KV head) after 800 cached tokens, which 2 threads split
     into 3 segments of keys whose softmax states the kernel merges: against SDPA on the gathered keys.
-    A float16 cache (its own entry point, widening each tile) against SDPA on the same values in float32."""
+    A float16 or 8-bit float cache (its own entry point, widening each tile) against SDPA on the same
+    values in float32."""
     g = torch.Generator().manual_seed(n)
     total = ctx + n
     blocks = max(16, -(-total // block_size) + 2)
     table = torch.randperm(blocks, generator=g)[:-(-total // block_size)]
     k_cache, v_cache = (torch.randn(blocks, block_size, kvh, hd, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(n, heads, hd, generator=g) * 3          # peaked softmaxes too
-    k = k_cache[table].flatten(0, 1)[:total].transpose(0, 1).repeat_interleave(heads // kvh, 0).float()
-    v = v_cache[table].flatten(0, 1)[:total].transpose(0, 1).repeat_interleave(heads // kvh, 0).float()
+    k = k_cache[table].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(heads // kvh, 0)
+    v = v_cache[table].flatten(0, 1)[:total].float().transpose(0, 1).repeat_interleave(heads // kvh, 0)
     mask = torch.arange(total)[None, :] <= torch.arange(ctx, total)[:, None]
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=hd ** -0.5)
     threads = torch.get_num_threads()
@@ -75,5 +76,5 @@ def test_native_prefill_attention_reads_scattered_blocks_causally(ctx, n, block_
         out = native_ops.prefill_attention(q, k_cache, v_cache, table, ctx, hd ** -0.5)
     finally:
         torch.set_num_threads(threads)
-    assert out is not None, "the native kernel declined a CPU chunk over a float32 or float16 cache"
+    assert out is not None, "the native kernel declined a CPU chunk over a float32, float16 or 8-bit float cache"
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(n, heads * hd), rtol=1e-5, atol=1e-5)

@@ -69,6 +69,21 @@ class Workspace:
         return torch.index_select(cache, 0, block_ids, out=out)
 
 
+# The 8-bit float KV cache dtypes (--kv-cache-dtype fp8 / fp8_e5m2).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots] = values along dim 0, rounded to the cache's dtype. An 8-bit float cache saturates
+    at its largest finite value (as vLLM's fp8 cache does; torch's cast to e5m2 would give inf) and
+    is written through byte views: torch 2.13 has no index_copy_ for float8 on CPU."""
+    if cache.dtype in FP8_DTYPES:
+        limit = torch.finfo(cache.dtype).max
+        cache.view(torch.uint8).index_copy_(0, slots, values.clamp(-limit, limit).to(cache.dtype).view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, values.to(cache.dtype))
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What one attention layer caches: `num_tensors` tensors, each [num_blocks, block_size,

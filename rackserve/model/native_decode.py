@@ -6,7 +6,7 @@ query (a batch of decodes) runs all the layers in one call of the native library
 weights and their GEMV, and KV cache), so a step only passes its own tensors: the embedded tokens,
 cos/sin, the slot mapping and the attention metadata's block tables and lengths. It runs where
 every op of the layer has a native form: a float32 or bfloat16 model on CPU (the KV cache float32,
-float16 or bfloat16), weights kept packed by a native GEMV kernel (quant/vnni_linear.py) or dense
+float16, bfloat16 or an 8-bit float), weights kept packed by a native GEMV kernel (quant/vnni_linear.py) or dense
 float32 or bfloat16 ones (an HF checkpoint: csrc/dense_gemv.cpp's rs_dense_gemv), no biases, no
 tensor parallelism, the "torch" attention backend's metadata; `supports` says why not elsewhere, and
 everything else (prefill chunks, mixed steps, other models, dtypes and devices, torch.compile) runs
@@ -84,12 +84,12 @@ def supports(model: nn.Module) -> str | None:
     caches = [t for l in body.layers for t in l.self_attn.attn.kv_cache]
     if not all(t.dtype == caches[0].dtype and t.device.type == "cpu" and t.is_contiguous() for t in caches) \
             or caches[0].dtype not in KV_DTYPES:
-        return "its KV cache is not float32, float16 or bfloat16 CPU tensors of one dtype"
+        return "its KV cache is not float32, float16, bfloat16 or 8-bit float CPU tensors of one dtype"
     return None
 
 
 # decode_loop.cpp's RsKvDtype by dtype.
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 
 
 def _dense(weight: torch.Tensor) -> bool:
@@ -167,9 +167,9 @@ def native_decoder(model: nn.Module) -> NativeDecoder | None:
         logger.info("native decode step off: %s", why_not)
         return None
     decoder = NativeDecoder(model)
-    half = decoder.kv_dtype != torch.float32
+    narrow = decoder.kv_dtype != torch.float32
     logger.info("native decode step on: a step of decodes runs every layer in one native call (%s weights, "
                 "float32 activations; KV cache %s%s)", str(decoder.dtype).removeprefix("torch."),
                 str(decoder.kv_dtype).removeprefix("torch."),
-                ", written rounded to nearest even, read widened to float32" if half else "")
+                ", written rounded to nearest even, read widened to float32" if narrow else "")
     return decoder

@@ -28,12 +28,17 @@ _SIGNATURES = {
     "rs_avx2_set_many_rows": [_I64],                                # its few/many-rows crossover (tests)
     "rs_prefill_attention": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_prefill_attention_f16": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_prefill_attention_fp8e4m3": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_prefill_attention_fp8e5m2": [_P, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_add_rms_norm": [_P, _P, _P, _F, _I64, _I64, _P],
     "rs_silu_and_mul": [_P, _I64, _I64, _P],
     "rs_rope_neox": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "rs_paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_paged_decode_attention_f16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
     "rs_paged_decode_attention_bf16": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_paged_decode_attention_fp8e4m3": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_paged_decode_attention_fp8e5m2": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
+    "rs_store_kv": [_P, _P, _I64, _I64],                           # decode_loop.cpp's K/V rounding (tests)
 }
 
 
@@ -150,15 +155,17 @@ def rope_neox_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, si
 
 
 # The KV cache dtypes each attention reads natively, and its entry point for each.
-_PREFILL_CACHE_DTYPES = {torch.float32: "rs_prefill_attention", torch.float16: "rs_prefill_attention_f16"}
+_PREFILL_CACHE_DTYPES = {torch.float32: "rs_prefill_attention", torch.float16: "rs_prefill_attention_f16",
+                         torch.float8_e4m3fn: "rs_prefill_attention_fp8e4m3",
+                         torch.float8_e5m2: "rs_prefill_attention_fp8e5m2"}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                       ctx: int, scale: float) -> torch.Tensor | None:
     """One request's chunk of queries (q [n, heads, head_dim], positions ctx .. ctx + n - 1) against
     its paged cache, which already holds the chunk's own K and V, causally; [n, heads * head_dim].
-    `table`: the request's block ids (int64) covering ctx + n tokens. The caches are float32 or
-    float16, q float32. None where the native library cannot (the caller runs its torch form)."""
+    `table`: the request's block ids (int64) covering ctx + n tokens. The caches are float32,
+    float16 or an 8-bit float (e4m3fn, e5m2), q float32. None where the native library cannot (the caller runs its torch form)."""
     n, heads, head_dim = q.shape
     plain = (q.stride(2) == 1 and q.stride(1) == head_dim and head_dim % 16 == 0 and head_dim <= 256
              and table.dtype == torch.int64 and table.is_contiguous() and k_cache.dim() == 4
@@ -177,14 +184,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 _DECODE_CACHE_DTYPES = {torch.float32: "rs_paged_decode_attention", torch.float16: "rs_paged_decode_attention_f16",
-                        torch.bfloat16: "rs_paged_decode_attention_bf16"}
+                        torch.bfloat16: "rs_paged_decode_attention_bf16",
+                        torch.float8_e4m3fn: "rs_paged_decode_attention_fp8e4m3",
+                        torch.float8_e5m2: "rs_paged_decode_attention_fp8e5m2"}
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Each row's one query (q [rows, heads, head_dim]) against its first lens[row] cached tokens,
     found through its row of `tables` ([rows * width] block ids); [rows, heads * head_dim] in q's
-    dtype. The caches are float32, float16 or bfloat16 (a 16-bit cache's values widened to float32 as
+    dtype. The caches are float32, float16, bfloat16 or an 8-bit float (a narrower cache's values widened to float32 as
     the avx512 build's loops load them, a block at a time into a scratch in the avx2 build's); a
     bfloat16 q (a bf16 model's) is widened and
     the output rounded back, the arithmetic float32. None where the native library cannot (the

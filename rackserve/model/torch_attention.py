@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from rackserve.model import native_ops
-from rackserve.model.attention import AttentionBackend, CommonAttentionMetadata, Workspace, register_attn_backend
+from rackserve.model.attention import (FP8_DTYPES, AttentionBackend, CommonAttentionMetadata, Workspace,
+                                       register_attn_backend, write_cache)
 
 
 # The CPU path's score tensor per query block: big enough for efficient matmuls, small enough to
@@ -108,8 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
         m = metadata
         num_tokens, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache
-        k_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, hd).index_copy_(0, m.slot_mapping, v.to(v_cache.dtype))
+        write_cache(k_cache.view(-1, kvh, hd), m.slot_mapping, k)
+        write_cache(v_cache.view(-1, kvh, hd), m.slot_mapping, v)
 
         if not m.prefills and isinstance(m.decode_rows, slice) and m.decode_rows == slice(0, num_tokens):
             return self._decode(q, k_cache, v_cache, m)   # pure decode step: no scatter needed
@@ -184,6 +185,9 @@ class TorchAttentionBackend(AttentionBackend):
             vd = m.workspace.gather_blocks("v", v_cache, m.decode_block_tables).view(shape)
         kd, vd = kd[:, :m.decode_kv_len].transpose(1, 2), vd[:, :m.decode_kv_len].transpose(1, 2)
         # A 16-bit cache under wider queries: one query per request, so narrow the query instead
-        # of widening the context, whose bytes are what a decode step pays for.
+        # of widening the context, whose bytes are what a decode step pays for. SDPA takes no 8-bit
+        # floats: their context is widened.
+        if kd.dtype in FP8_DTYPES:
+            kd, vd = kd.to(q.dtype), vd.to(q.dtype)
         o = F.scaled_dot_product_attention(qd.to(kd.dtype), kd, vd, attn_mask=m.decode_mask, scale=self.scale)
         return o.reshape(d, -1).to(q.dtype)

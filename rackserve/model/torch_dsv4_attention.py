@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rackserve.model.attention import CommonAttentionMetadata, register_attn_backend
+from rackserve.model.attention import FP8_DTYPES, CommonAttentionMetadata, register_attn_backend, write_cache
 from rackserve.model.dsv4_attention import (CSA, Compressor, DeepseekV4Attention, InterleavedRope,
                                             apply_interleaved_rope)
 
@@ -136,7 +136,7 @@ class TorchDSV4Backend:
 
     @staticmethod
     def _write(flat: torch.Tensor, slots: torch.Tensor, rng: tuple[int, int], values: torch.Tensor) -> None:
-        flat[:, rng[0]:rng[1]].index_copy_(0, slots, values.to(flat.dtype))
+        write_cache(flat[:, rng[0]:rng[1]], slots, values)
 
     @staticmethod
     def _close_groups(c: Caches, m: DSV4Metadata, comp: Compressor, kv_rng: tuple[int, int],
@@ -161,6 +161,8 @@ class TorchDSV4Backend:
         src = torch.cat(sources)                                     # [G, S]
         valid = (src >= 0).unsqueeze(-1)
         rows = c.window[src.clamp(min=0)]                            # [G, S, width]
+        if rows.dtype in FP8_DTYPES:                                 # an 8-bit cache: pooled in the model's dtype
+            rows = rows.to(comp.ape.dtype)
         kv, gate = rows[..., kv_rng[0]:kv_rng[1]], rows[..., gate_rng[0]:gate_rng[1]]
         if comp.overlap:
             # Slots [0, r): the Ca half of the previous group; [r, 2r): the Cb half of this one.
@@ -174,7 +176,7 @@ class TorchDSV4Backend:
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
         cos, sin = rope(torch.cat(firsts))
         entry = apply_interleaved_rope(comp.norm(pooled), cos, sin)
-        c.entries[:, entry_rng[0]:entry_rng[1]].index_copy_(0, torch.cat(entry_slots), entry.to(c.entries.dtype))
+        write_cache(c.entries[:, entry_rng[0]:entry_rng[1]], torch.cat(entry_slots), entry)
 
     @staticmethod
     def _attend(layer: DeepseekV4Attention, q: torch.Tensor, c: Caches, m: DSV4Metadata, span: Span,

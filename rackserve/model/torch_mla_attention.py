@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rackserve.model.attention import register_attn_backend
+from rackserve.model.attention import register_attn_backend, write_cache
 from rackserve.model.mla import MLABackend
 from rackserve.model.torch_attention import PrefillChunk, TorchAttentionBackend, TorchAttentionMetadata
 
@@ -32,7 +32,7 @@ class TorchMLABackend(MLABackend):
                 kv_cache: tuple[torch.Tensor, ...], metadata: TorchAttentionMetadata) -> torch.Tensor:
         m, (cache,) = metadata, kv_cache
         entries = torch.cat([kv_c_normed, k_pe], dim=-1)
-        cache.view(-1, entries.shape[1]).index_copy_(0, m.slot_mapping, entries.to(cache.dtype))
+        write_cache(cache.view(-1, entries.shape[1]), m.slot_mapping, entries)
         num_tokens = q.shape[0]
         if not m.prefills and isinstance(m.decode_rows, slice) and m.decode_rows == slice(0, num_tokens):
             return self._decode(q, cache, m)        # pure decode step: no scatter needed

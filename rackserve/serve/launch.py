@@ -114,14 +114,15 @@ def kv_groups_line(engine: AsyncEngine) -> str:
 
 def kv_cache_line(config) -> str:
     """The startup banner's line on a CPU KV cache of another dtype than the model's: whether the
-    native attention kernels read it (float16; bfloat16 in decode only) or the torch path gathers it."""
+    native attention kernels read it (float16 and the 8-bit floats; bfloat16 in decode only) or the
+    torch path gathers it."""
     from rackserve.bench.engine_kernels import engine_kernels
     m, kv = config.model, config.cache.cache_dtype
     if m.device != "cpu" or kv is None or kv == m.dtype:
         return ""
     how = "decode attention gathers it and runs SDPA (the torch path)"
     if engine_kernels(m, kv)["native_decode_attention"]:
-        how = ("the native attention kernels read it in place, widened to float32" if kv == "float16" else
+        how = ("the native attention kernels read it in place, widened to float32" if kv != "bfloat16" else
                "the native decode attention reads it in place, widened to float32; prefill attention runs in torch")
     return f"  KV cache {kv}: {how}\n"
 

@@ -7,10 +7,12 @@
 // the parts are merged), so a lone decode at thousands of tokens uses every core. Scores are
 // taken 16 (AVX-512) or 8 (AVX2) keys at a time and reduced across keys in registers, not one
 // horizontal sum per key; other head sizes and the last keys of a block take the plain loop.
-// The cache holds float32, IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16) or
-// bfloat16 (rs_paged_decode_attention_bf16), one template over all three: a 16-bit cache's values are
-// widened (F16C, or a shift for bfloat16) as the AVX-512 loops load them, or (AVX2) a block at a time
-// into a float32 block the same loops read, so a step reads half the bytes from memory, and the
+// The cache holds float32, IEEE half (float16, uint16_t in memory: rs_paged_decode_attention_f16),
+// bfloat16 (rs_paged_decode_attention_bf16) or an 8-bit float (e4m3 or e5m2, kv_fp8.h:
+// rs_paged_decode_attention_fp8e4m3 / _fp8e5m2), one template over all five: a narrower cache's values
+// are widened (F16C, a shift for bfloat16, an 8-bit code moved into a float16's bits first) as the
+// AVX-512 loops load them, or (AVX2) a block at a time into a float32 block the same loops read, so a
+// step reads a half or a quarter of the bytes from memory, and the
 // query, the output and the arithmetic stay float32; on AVX2 a float32 cache's block is copied into
 // that block the same way (widen_block). A KV head's 2-4 query heads are scored and
 // accumulated against each loaded K/V row at once (score_group, add_values_group), and the next
@@ -27,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_fp8.h"
 #include "vec_exp.h"
 
 namespace {
@@ -85,6 +88,8 @@ inline Vec vload(const bf16* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
+inline Vec vload(const fp8e4m3* p) { return widen16(p); }
+inline Vec vload(const fp8e5m2* p) { return widen16(p); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -115,6 +120,8 @@ inline Vec vload(const bf16* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
+inline Vec vload(const fp8e4m3* p) { return widen8(p); }
+inline Vec vload(const fp8e5m2* p) { return widen8(p); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -395,8 +402,8 @@ inline const float* widen_block(const float* b, int64_t count, float* wide) {
   std::memcpy(wide, b, count * sizeof(float));
   return wide;
 }
-template <typename T16>      // half or bf16
-inline const float* widen_block(const T16* b, int64_t count, float* wide) {
+template <typename TN>      // half, bf16, fp8e4m3 or fp8e5m2
+inline const float* widen_block(const TN* b, int64_t count, float* wide) {
   int64_t i = 0;
 #ifdef RS_VECTOR_KEYS
   constexpr int64_t lanes = sizeof(Vec) / sizeof(float);
@@ -577,8 +584,9 @@ int paged_decode_attention(const float* q, int64_t q_stride, const T* k_cache, c
 
 }  // namespace
 
-// The float32 cache's entry point, the float16 one's (k_cache, v_cache: IEEE half bits) and the
-// bfloat16 one's (their bits); the arguments are paged_decode_attention's above.
+// The float32 cache's entry point, the float16 one's (k_cache, v_cache: IEEE half bits), the
+// bfloat16 one's (their bits) and the 8-bit floats' (their codes); the arguments are
+// paged_decode_attention's above.
 extern "C" int rs_paged_decode_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                                          const int64_t* tables, int64_t width, const int64_t* lens, int64_t rows,
                                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -603,5 +611,25 @@ extern "C" int rs_paged_decode_attention_bf16(const float* q, int64_t q_stride, 
                                               int threads) {
   return paged_decode_attention(q, q_stride, reinterpret_cast<const bf16*>(k_cache),
                                 reinterpret_cast<const bf16*>(v_cache), tables, width, lens, rows, heads, kv_heads,
+                                head_dim, block_size, scale, out, threads);
+}
+
+extern "C" int rs_paged_decode_attention_fp8e4m3(const float* q, int64_t q_stride, const uint8_t* k_cache,
+                                                 const uint8_t* v_cache, const int64_t* tables, int64_t width,
+                                                 const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                                 int64_t head_dim, int64_t block_size, float scale, float* out,
+                                                 int threads) {
+  return paged_decode_attention(q, q_stride, reinterpret_cast<const fp8e4m3*>(k_cache),
+                                reinterpret_cast<const fp8e4m3*>(v_cache), tables, width, lens, rows, heads, kv_heads,
+                                head_dim, block_size, scale, out, threads);
+}
+
+extern "C" int rs_paged_decode_attention_fp8e5m2(const float* q, int64_t q_stride, const uint8_t* k_cache,
+                                                 const uint8_t* v_cache, const int64_t* tables, int64_t width,
+                                                 const int64_t* lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                                                 int64_t head_dim, int64_t block_size, float scale, float* out,
+                                                 int threads) {
+  return paged_decode_attention(q, q_stride, reinterpret_cast<const fp8e5m2*>(k_cache),
+                                reinterpret_cast<const fp8e5m2*>(v_cache), tables, width, lens, rows, heads, kv_heads,
                                 head_dim, block_size, scale, out, threads);
 }

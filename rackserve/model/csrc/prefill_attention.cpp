@@ -16,16 +16,18 @@
 // that threads run apart, then merges their softmax states. Written with GCC's vector extensions
 // (vec_exp.h), so that both builds compile it to their own ISA. model/native_ops.py calls
 // rs_prefill_attention; the torch backend keeps its two-matmul form for other dtypes and devices.
-// A float16 cache (rs_prefill_attention_f16) has each tile's keys and values widened once into
-// float32 rows (F16C) that the same tiles read: an item's 16 query rows x its group share each
-// conversion. This file must never allocate tensors: the caller passes every buffer.
+// A float16 cache (rs_prefill_attention_f16) or an 8-bit float one (kv_fp8.h: _fp8e4m3, _fp8e5m2)
+// has each tile's keys and values widened once into float32 rows (F16C) that the same tiles read:
+// an item's 16 query rows x its group share each conversion. This file must never allocate tensors: the caller passes every buffer.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "kv_fp8.h"
 #include "prefill_tiles.h"
 
 namespace {
@@ -33,13 +35,15 @@ namespace {
 constexpr int kQueryRows = 16;    // query positions of a work item
 constexpr int64_t kMinSegment = 256;  // keys: a shorter segment is not worth a merge
 
+enum CacheElem { kFloat32, kFloat16, kFp8E4m3, kFp8E5m2 };
+
 // The call's arguments, which every work item reads.
 struct Chunk {
   const float* q;
   int64_t q_stride, n, ctx;
-  const void* k_cache;      // float, or float16's bits where `half`
+  const void* k_cache;      // of `elem`
   const void* v_cache;
-  bool half;
+  CacheElem elem;
   const int64_t* table;
   int64_t heads, kv_heads, head_dim, block_size;
   float scale;
@@ -54,12 +58,24 @@ struct Scratch {
         l(qv_max), corr(qv_max), pos(qv_max), kw(kKeys * head_dim), vw(kKeys * head_dim) {}
 };
 
-// A key's or value's n float16 elements (n a multiple of 8) widened into dst, 8 at a time; dst.
-inline const float* widen(const void* cache, int64_t off, int64_t n, float* dst) {
-  const uint16_t* src = static_cast<const uint16_t*>(cache) + off;
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+// A key's or value's n elements from element `off` (n a multiple of 8) widened into dst, 8 at a time; dst.
+template <typename T>
+inline const float* widen_as(const void* cache, int64_t off, int64_t n, float* dst) {
+  const T* src = static_cast<const T*>(cache) + off;
+  for (int64_t i = 0; i < n; i += 8) {
+    if constexpr (std::is_same_v<T, uint16_t>)
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    else
+      _mm256_storeu_ps(dst + i, widen8(src + i));
+  }
   return dst;
+}
+inline const float* widen(CacheElem elem, const void* cache, int64_t off, int64_t n, float* dst) {
+  switch (elem) {
+    case kFloat16: return widen_as<uint16_t>(cache, off, n, dst);
+    case kFp8E4m3: return widen_as<fp8e4m3>(cache, off, n, dst);
+    default: return widen_as<fp8e5m2>(cache, off, n, dst);
+  }
 }
 
 // Rows r0 .. r0 + rows of KV head g against keys [k0, k1): the item's query vectors' unnormalised
@@ -89,9 +105,9 @@ void run_item(const Chunk& c, Scratch& w, int64_t g, int64_t r0, int64_t rows, i
     for (int64_t t = 0; t < kKeys; ++t) {
       // past the end: a repeat of the last key, masked (k1 < c0 + kKeys only where k1 is `seen`)
       const int64_t off = (c.table[blk] * c.block_size + in_blk) * token_stride + g * head_dim;
-      if (c.half) {
-        krow[t] = widen(c.k_cache, off, head_dim, w.kw.data() + t * head_dim);
-        vrow[t] = widen(c.v_cache, off, head_dim, w.vw.data() + t * head_dim);
+      if (c.elem != kFloat32) {
+        krow[t] = widen(c.elem, c.k_cache, off, head_dim, w.kw.data() + t * head_dim);
+        vrow[t] = widen(c.elem, c.v_cache, off, head_dim, w.vw.data() + t * head_dim);
       } else {
         krow[t] = static_cast<const float*>(c.k_cache) + off;
         vrow[t] = static_cast<const float*>(c.v_cache) + off;
@@ -139,14 +155,14 @@ void run_item(const Chunk& c, Scratch& w, int64_t g, int64_t r0, int64_t rows, i
 }
 
 // q: row i (position ctx + i) of the chunk at q + i * q_stride, heads of head_dim contiguous.
-// k_cache, v_cache: [blocks, block_size, kv_heads, head_dim], float or (half) float16; table: the
+// k_cache, v_cache: [blocks, block_size, kv_heads, head_dim], of `elem`; table: the
 // request's blocks, covering ctx + n tokens. out: [n, heads * head_dim]. head_dim a multiple of 16,
 // at most 256.
 int prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const void* k_cache,
-                      const void* v_cache, bool half, const int64_t* table, int64_t heads, int64_t kv_heads,
+                      const void* v_cache, CacheElem elem, const int64_t* table, int64_t heads, int64_t kv_heads,
                       int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
   if (head_dim % 16 || head_dim > 256 || n < 1 || ctx < 0 || heads % kv_heads || threads < 1) return -1;
-  const Chunk c{q, q_stride, n, ctx, k_cache, v_cache, half, table, heads, kv_heads, head_dim, block_size, scale};
+  const Chunk c{q, q_stride, n, ctx, k_cache, v_cache, elem, table, heads, kv_heads, head_dim, block_size, scale};
   const int64_t group = heads / kv_heads, qv_max = kQueryRows * group;
   const int64_t row_blocks = (n + kQueryRows - 1) / kQueryRows, items = kv_heads * row_blocks;
   const int64_t splits = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, (ctx + 1) / kMinSegment));
@@ -209,19 +225,34 @@ int prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, 
 
 extern "C" {
 
-// prefill_attention's arguments over a float32 cache, and over a float16 one (IEEE half bits).
+// prefill_attention's arguments over a float32 cache, a float16 one (IEEE half bits) and the 8-bit
+// floats' (their codes).
 int rs_prefill_attention(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const float* k_cache,
                          const float* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
-  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, false, table, heads, kv_heads, head_dim, block_size,
-                           scale, out, threads);
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, kFloat32, table, heads, kv_heads, head_dim,
+                           block_size, scale, out, threads);
 }
 
 int rs_prefill_attention_f16(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const uint16_t* k_cache,
                              const uint16_t* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
-  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, true, table, heads, kv_heads, head_dim, block_size,
-                           scale, out, threads);
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, kFloat16, table, heads, kv_heads, head_dim,
+                           block_size, scale, out, threads);
+}
+
+int rs_prefill_attention_fp8e4m3(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const uint8_t* k_cache,
+                                 const uint8_t* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, kFp8E4m3, table, heads, kv_heads, head_dim,
+                           block_size, scale, out, threads);
+}
+
+int rs_prefill_attention_fp8e5m2(const float* q, int64_t q_stride, int64_t n, int64_t ctx, const uint8_t* k_cache,
+                                 const uint8_t* v_cache, const int64_t* table, int64_t heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  return prefill_attention(q, q_stride, n, ctx, k_cache, v_cache, kFp8E5m2, table, heads, kv_heads, head_dim,
+                           block_size, scale, out, threads);
 }
 
 }  // extern "C"
