@@ -1,7 +1,8 @@
 """A/B of csrc/paged_decode_attention.cpp at a step of decode rows (--batch, each its own context),
 as a SmolLM2 step calls it: a side is a git ref's kernel or a file (`@-DFLAG,...` adds compiler
 flags), compiled on its own for one ISA and called through ctypes, over each --kv-dtypes cache
-(float16: the same values rounded, read by rs_paged_decode_attention_f16); each call takes the next
+(float16, fp8e4m3, fp8e5m2: the same values rounded, read by rs_paged_decode_attention_f16 / _fp8e4m3 /
+_fp8e5m2); each call takes the next
 of at least 30 layers' K/V caches (and at least 64 MB of float16 ones, more than the L2s and L3s:
 the step reads them from memory, as a step whose GEMVs stream the weights between layers does,
 not from the last call's cache), the sides alternating round by round. Prints
@@ -31,6 +32,11 @@ from rackserve.model import native
 from rackserve.model.native_ops import _SIGNATURES
 
 PATH = "rackserve/model/csrc/paged_decode_attention.cpp"
+# Each --kv-dtypes name: its entry point, the torch dtype its values are rounded to, and bytes a value.
+ENTRY = {"float32": "rs_paged_decode_attention", "float16": "rs_paged_decode_attention_f16",
+         "fp8e4m3": "rs_paged_decode_attention_fp8e4m3", "fp8e5m2": "rs_paged_decode_attention_fp8e5m2"}
+DTYPE = {"float32": torch.float32, "float16": torch.float16, "fp8e4m3": torch.float8_e4m3fn,
+         "fp8e5m2": torch.float8_e5m2}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
@@ -46,7 +52,7 @@ def build(spec: str, isa: str, tmp: str, label: str) -> ctypes.CDLL:
                     os.path.join(os.path.dirname(native.__file__), "csrc"), *[d for d in defines.split(",") if d],
                     src, "-o", out], check=True)
     lib = ctypes.CDLL(out)
-    for name in ("rs_paged_decode_attention", "rs_paged_decode_attention_f16"):
+    for name in ENTRY.values():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = _SIGNATURES[name]
     return lib
@@ -59,7 +65,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="64,256,1024")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--batch", default="1", help="decode rows a call, comma-separated")
-    parser.add_argument("--kv-dtypes", default="float32", help="cache dtypes each side runs over: float32,float16")
+    parser.add_argument("--kv-dtypes", default="float32", help="cache dtypes each side runs over, of " + ",".join(ENTRY))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300, help="timed calls a side, context and round")
     parser.add_argument("--output", default=None)
@@ -73,8 +79,7 @@ def main() -> None:
             label, _, src = spec.partition("=")
             libs[label] = build(src, args.isa, tmp, label)
         dtypes = args.kv_dtypes.split(",")
-        entry = {"float32": "rs_paged_decode_attention", "float16": "rs_paged_decode_attention_f16"}
-        sides = {(f"{label}/{dt}" if len(dtypes) > 1 else label): (getattr(lib, entry[dt]), dt)
+        sides = {(f"{label}/{dt}" if len(dtypes) > 1 else label): (getattr(lib, ENTRY[dt]), dt)
                  for label, lib in libs.items() for dt in dtypes}
         for threads, batch, ctx in [(int(t), int(b), int(c)) for t in args.threads.split(",")
                                     for b in args.batch.split(",") for c in args.contexts.split(",")]:
@@ -85,8 +90,9 @@ def main() -> None:
             f32 = [(torch.randn(batch * blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
                     torch.randn(batch * blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g)) for _ in range(layers)]
             caches = {"float32": f32} if "float32" in dtypes else {}
-            if "float16" in dtypes:
-                caches["float16"] = [(k.half(), v.half()) for k, v in f32]
+            for dt in dtypes:
+                if dt != "float32":
+                    caches[dt] = [(k.to(DTYPE[dt]), v.to(DTYPE[dt])) for k, v in f32]
             if "float32" not in dtypes:
                 del f32
             table = torch.arange(batch * blocks, dtype=torch.int64)     # row r: blocks r * blocks ...
@@ -111,7 +117,7 @@ def main() -> None:
             base = statistics.median(times[first])
             for label, ts in times.items():
                 med = statistics.median(ts)
-                nbytes = 2 * batch * n * KV_HEADS * HEAD_DIM * (2 if sides[label][1] == "float16" else 4)
+                nbytes = 2 * batch * n * KV_HEADS * HEAD_DIM * DTYPE[sides[label][1]].itemsize
                 row = {"threads": threads, "batch": batch, "context": ctx, "side": label,
                        "kv_dtype": sides[label][1], "layers": layers, "median_us": med * 1e6,
                        "p10_us": sorted(ts)[len(ts) // 10] * 1e6, "kv_gbps": nbytes / med / 1e9,

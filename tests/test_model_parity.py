@@ -24,12 +24,14 @@ def load(path: str) -> tuple[nn.Module, ModelInfo]:
     return load_model(ModelConfig(path, "tiny", path, "float32", "cpu", None, 0))
 
 
-def prefill_logits(model: nn.Module, info: ModelInfo, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prefill, through a paged cache with a reversed block table."""
+def prefill_logits(model: nn.Module, info: ModelInfo, ids: list[int],
+                   cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits at every position of one prefill, through a paged cache (of `cache_dtype`) with a
+    reversed block table."""
     n = len(ids)
     num_blocks = -(-n // BS) + 2
-    bind_kv_cache(model, [(torch.zeros(num_blocks, BS, info.num_kv_heads, info.head_dim),
-                           torch.zeros(num_blocks, BS, info.num_kv_heads, info.head_dim))
+    bind_kv_cache(model, [(torch.zeros(num_blocks, BS, info.num_kv_heads, info.head_dim, dtype=cache_dtype),
+                           torch.zeros(num_blocks, BS, info.num_kv_heads, info.head_dim, dtype=cache_dtype))
                           for _ in range(info.num_layers)])
     table = list(range(num_blocks))[::-1]
     slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])

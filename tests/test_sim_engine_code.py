@@ -87,7 +87,8 @@ def test_each_shipped_calibration_is_found_for_its_own_processor_only(monkeypatc
 def test_the_kv_cache_dtype_is_in_the_cpu_key(tmp_path):
     """A float16 KV cache runs another decode attention kernel than a float32 one: `--kv-cache-dtype
     fp16` on cpu finds (or measures, with bench forward's --kv-cache-dtype float16) a calibration of
-    its own, never the shipped float32 ones; fp8 and fp4 are refused before anything is measured."""
+    its own, never the shipped float32 ones; fp8 likewise (serve's e4m3 cache, measured with its
+    --kv-cache-dtype fp8); fp4 and serve's spellings are refused before anything is measured."""
     from rackserve.sim.calibrate import _as_measured
     from rackserve.sim.model_spec import load_model_spec
     auto = cpu_device.serve_key("smollm2-135m-instruct")
@@ -98,7 +99,12 @@ def test_the_kv_cache_dtype_is_in_the_cpu_key(tmp_path):
     assert cpu_device.find(fp16, [cpu_device.SHIPPED_DIR]) is None
     args = cpu_device._forward_args(fp16, "out.json", "decode", 2048)
     assert args[args.index("--kv-cache-dtype") + 1] == "float16"
-    for bad in ("fp8", "float16"):     # the simulator's names only, and those serve keeps on a CPU
+    fp8 = cpu_device.serve_key("smollm2-135m-instruct", None, "fp8")
+    assert fp8 == {**auto, "kv_cache_dtype": "float8_e4m3fn"} == cpu_device.serve_key("smollm2-135m-instruct", None,
+                                                                                       "float8_e4m3fn")
+    args = cpu_device._forward_args(fp8, "out.json", "decode", 2048)
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    for bad in ("fp4", "float16"):     # the simulator's names only, and those serve keeps on a CPU
         with pytest.raises(ValueError, match="on cpu"):
             cpu_device.load_cpu_device("smollm2-135m-instruct", None, str(tmp_path), bad)
     assert not list(tmp_path.iterdir())
@@ -107,5 +113,6 @@ def test_the_kv_cache_dtype_is_in_the_cpu_key(tmp_path):
     setting = {"dtype": "float32", "kv_cache_dtype": "float16", "cost": {"weight_bytes": 4.0e8},
                "kernels": {"quant_kernel": None, "dense_above_rows": None, "native_decode_attention": True}}
     assert _as_measured(spec, {"settings": {"A": setting}})["kv_precision"] == "fp16"
+    assert _as_measured(spec, {"settings": {"A": {**setting, "kv_cache_dtype": "float8_e4m3fn"}}})["kv_precision"] == "fp8"
     del setting["kv_cache_dtype"]     # a record from before the fifteenth round: the model's dtype
     assert _as_measured(spec, {"settings": {"A": setting}})["kv_precision"] == "fp32"

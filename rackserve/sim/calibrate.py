@@ -27,7 +27,7 @@ from rackserve.sim.model_spec import ModelSpec, load_model_spec
 CPU_CALIBRATION = os.path.join(os.path.dirname(__file__), "calibration", "cpu.json")
 FITTED = ("gemm_flops", "attn_flops", "mem_bw", "attn_mem_bw")
 RECORD = ("measured", "held_out", "command", "key", "serve", "forward_commands", "engine_code")   # how a file was made
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
 FIRST_STEPS = 3
 TRACE_POINTS = 120          # steps of a trace in a fit: enough to cover its mix, few enough to fit in seconds
 

@@ -25,7 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       "as rackserve serve takes it; default: serve's)")
     a("--calibration-dir", default=None, help="cpu: where run-time calibrations are saved and looked up first "
       "(default ~/.cache/rackserve/sim)")
-    a("--kv-cache-dtype", default=None, help="KV cache precision override: bf16, fp8, fp4 (fp32, fp16 or bf16 for "
+    a("--kv-cache-dtype", default=None, help="KV cache precision override: bf16, fp8, fp4 (fp32, fp16, bf16 or fp8 for "
       "cpu: a calibration measured with that cache)")
     a("--tensor-parallel-size", type=int, default=1, help="devices splitting each layer (per DP rank)")
     a("--data-parallel-size", type=int, default=1, help="DP ranks per instance, stepping in lockstep")

@@ -42,15 +42,19 @@ def processor() -> str:
     return f"{cpu_identity()} x{os.cpu_count()}"
 
 
-# The KV caches `rackserve serve` keeps on a CPU, by the simulator's precision names and serve's.
-KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "float32": "float32",
-                   "float16": "float16", "bfloat16": "bfloat16"}
+# The KV caches `rackserve serve` keeps on a CPU, by the simulator's precision names and serve's
+# (--kv-cache-dtype's, and the torch names its settings record), as the torch names a key holds.
+KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn",
+                   "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
+# serve's --kv-cache-dtype for a key's torch name where they differ.
+_SERVE_KV_NAMES = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
 def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str | None = None) -> dict[str, str]:
     """What a calibration must have been measured with to price `rackserve serve --model MODEL`'s
     steps on this machine (`quantization`: gguf or none; None: serve's auto; `kv_cache_dtype`: fp32,
-    fp16 or bf16 (or serve's names); None: serve's auto, the model's dtype). The KV cache's dtype
+    fp16, bf16 or fp8 (or serve's names); None: serve's auto, the model's dtype). The KV cache's dtype
     is in the key, not only its bytes: decode attention over a float16 cache runs another kernel,
     partly bound by its arithmetic, than over a float32 one."""
     from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
@@ -66,7 +70,7 @@ def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str |
     kernel = resolve_quant_kernel("auto", quant, "cpu").name if quant == "gguf" else None
     dtype = resolve_dtype("auto", "cpu", kernel)[0]
     if kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16 or bf16 "
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16, bf16 or fp8 "
                          "KV caches here")
     kv = dtype if kv_cache_dtype in (None, "auto") else KV_CACHE_DTYPES[kv_cache_dtype]
     return {"processor": processor(), "model": model, "dtype": dtype, "quantization": quant, "quant_kernel": kernel,
@@ -103,7 +107,8 @@ def _forward_args(key: dict[str, str], out: str, mode: str, max_model_len: int) 
         batches, tokens = (PREFILL_BATCHES, PREFILL_TOKENS) if mode == "prefill" else (MID_BATCHES, MID_TOKENS)
         args = ["--mode", "prefill", "--batch-sizes", batches, "--context-lens", "0", "--new-tokens", str(tokens)]
     return ["bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype", key["dtype"],
-            "--quantization", key["quantization"], "--kv-cache-dtype", key["kv_cache_dtype"],
+            "--quantization", key["quantization"],
+            "--kv-cache-dtype", _SERVE_KV_NAMES.get(key["kv_cache_dtype"], key["kv_cache_dtype"]),
             "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
             *args, "--output", out]
 
@@ -161,9 +166,9 @@ def load_cpu_device(model: str, quantization: str | None, directory: str | None,
     it was measured (calibrate.calibrated_spec), and the calibration's file."""
     from rackserve.sim.calibrate import load_calibration
     directory = directory or DEFAULT_DIR
-    if kv_cache_dtype not in (None, "fp32", "fp16", "bf16"):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16 or bf16 KV "
-                         "caches here")
+    if kv_cache_dtype not in (None, "fp32", "fp16", "bf16", "fp8"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16, bf16 or fp8 "
+                         "KV caches here")
     key = serve_key(model, quantization, kv_cache_dtype)
     path = find(key, [directory, SHIPPED_DIR]) or calibrate_now(key, directory)
     hw, as_measured = load_calibration(path)

@@ -3,7 +3,7 @@
 // through F16C, which every native build has: an e5m2 code is a float16's top byte, and an e4m3 code's
 // exponent and mantissa moved into float16's places (the sign kept) are a float16 equal to the value
 // times 2^-8, normal and subnormal alike (float16's exponent bias is 8 more than e4m3's), so one
-// multiply by 256 gives the value exactly. The cache holds the values themselves (vLLM's k_scale and
+// multiply by 256 gives the value exactly, or a reader scales its results instead. The cache holds the values themselves (vLLM's k_scale and
 // v_scale of 1.0, what it uses where a checkpoint gives none).
 #pragma once
 #include <immintrin.h>
@@ -22,32 +22,46 @@ struct fp8e5m2 {
 
 inline uint16_t half_bits(fp8e5m2 x) { return static_cast<uint16_t>(x.bits << 8); }
 inline uint16_t half_bits(fp8e4m3 x) { return static_cast<uint16_t>((x.bits & 0x80) << 8 | (x.bits & 0x7F) << 7); }
-inline float to_float(fp8e5m2 x) { return _cvtsh_ss(half_bits(x)); }
-inline float to_float(fp8e4m3 x) { return _cvtsh_ss(half_bits(x)) * 256.f; }    // 2^8: the biases' difference
 
-// 8 elements from p widened to float32: an e5m2 code zero-extended and moved to the top byte; an
-// e4m3 one sign-extended, so that shifted left by 7 its sign lands in bit 15 (and a copy in bit 14,
-// cleared), its exponent and mantissa in bits 13-7.
-inline __m256 widen8(const fp8e5m2* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+// "Raw" values: the float16 that half_bits makes, i.e. the value times kFp8RawUnit (2^-8 for e4m3,
+// float16's bias less e4m3's; 1 for e5m2), exact and never a float32 denormal (F16C widens float16
+// subnormals exactly, whatever MXCSR's DAZ says). A reader that scales its results by 1 / unit
+// skips a multiply a vector (paged_decode_attention.cpp); fp8_value and widen8 give the values.
+template <typename T>
+constexpr float kFp8RawUnit = 1.f;
+template <>
+inline constexpr float kFp8RawUnit<fp8e4m3> = 1.f / 256.f;
+template <typename T>
+inline float fp8_raw(T x) { return _cvtsh_ss(half_bits(x)); }
+template <typename T>
+inline float fp8_value(T x) { return fp8_raw(x) / kFp8RawUnit<T>; }
+
+// 8 raw elements from p widened to float32: an e5m2 code zero-extended and moved to the top byte;
+// an e4m3 one sign-extended, so that shifted left by 7 its sign lands in bit 15 (and a copy in bit
+// 14, cleared), its exponent and mantissa in bits 13-7.
+inline __m128i half_bits8(const fp8e5m2* p) {
+  return _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
 }
-inline __m256 widen8(const fp8e4m3* p) {
+inline __m128i half_bits8(const fp8e4m3* p) {
   const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  return _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
 }
+template <typename T>
+inline __m256 widen8_raw(const T* p) { return _mm256_cvtph_ps(half_bits8(p)); }
+// ... and their values.
+inline __m256 widen8(const fp8e5m2* p) { return widen8_raw(p); }
+inline __m256 widen8(const fp8e4m3* p) { return _mm256_mul_ps(widen8_raw(p), _mm256_set1_ps(256.f)); }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 elements, as widen8.
-inline __m512 widen16(const fp8e5m2* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+// 16 raw elements, as half_bits8.
+inline __m256i half_bits16(const fp8e5m2* p) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
 }
-inline __m512 widen16(const fp8e4m3* p) {
+inline __m256i half_bits16(const fp8e4m3* p) {
   const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
 }
+template <typename T>
+inline __m512 widen16_raw(const T* p) { return _mm512_cvtph_ps(half_bits16(p)); }
 #endif
 
 // x rounded to nearest even on the grid of a format of M mantissa bits and exponent bias B whose

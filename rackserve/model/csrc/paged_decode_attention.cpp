@@ -48,6 +48,13 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+// An 8-bit float is read as its raw value (kv_fp8.h: e4m3's times 2^-8), here and in vload:
+// attend_part scales the scores and the accumulated values back (kRawUnit), one multiply a score or
+// output element instead of one a loaded vector.
+inline float to_float(fp8e4m3 x) { return fp8_raw(x); }
+inline float to_float(fp8e5m2 x) { return fp8_raw(x); }
+template <typename T>
+constexpr float kRawUnit = kFp8RawUnit<T>;     // 1 but for e4m3
 
 // exp(x - mx) over a row of scores in place, 16 at a time (vec_exp.h: arithmetic the build
 // vectorises for its ISA; std::exp is a scalar libm call of ~20 ns, which was most of this kernel's
@@ -88,8 +95,8 @@ inline Vec vload(const bf16* p) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
-inline Vec vload(const fp8e4m3* p) { return widen16(p); }
-inline Vec vload(const fp8e5m2* p) { return widen16(p); }
+inline Vec vload(const fp8e4m3* p) { return widen16_raw(p); }
+inline Vec vload(const fp8e5m2* p) { return widen16_raw(p); }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -120,8 +127,8 @@ inline Vec vload(const bf16* p) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
-inline Vec vload(const fp8e4m3* p) { return widen8(p); }
-inline Vec vload(const fp8e5m2* p) { return widen8(p); }
+inline Vec vload(const fp8e4m3* p) { return widen8_raw(p); }
+inline Vec vload(const fp8e5m2* p) { return widen8_raw(p); }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -489,11 +496,12 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
       score_group(q + kv * group * head_dim, kb + kv * head_dim, m, group, head_dim, token_stride,
                   scores + kv * group * len + t - t_begin, len);
   });
+  const float score_scale = scale / kRawUnit<T>;      // exact: the unit is a power of 2
   for (int64_t h = 0; h < heads; ++h) {
     float* sh = scores + h * len;
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t] *= scale);
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t] *= score_scale);
     const float sum = exp_shifted_sum(sh, len, mx);
     float* ph = part + h * (head_dim + 2);
     std::fill(ph, ph + head_dim, 0.f);
@@ -505,6 +513,9 @@ void attend_part(const float* q, const T* k_cache, const T* v_cache, const int64
       add_values_group(scores + kv * group * len + t - t_begin, len, vb + kv * head_dim, m, group, head_dim,
                        token_stride, part + kv * group * (head_dim + 2), head_dim + 2);
   });
+  if constexpr (kRawUnit<T> != 1.f)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < head_dim; ++i) part[h * (head_dim + 2) + i] /= kRawUnit<T>;
   _mm_setcsr(csr);
 }
 
