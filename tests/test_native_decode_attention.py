@@ -97,7 +97,7 @@ def test_grouped_heads_match_torch(lib, heads, kv_heads, hd, dtype):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6)
 
 
-def test_the_startup_banner_says_what_reads_a_16_bit_cache(tiny_llama_dir):
+def test_the_startup_banner_says_what_reads_a_narrower_cache(tiny_llama_dir):
     from rackserve.config import EngineArgs
     from rackserve.model.native import choose_isa
     from rackserve.serve.launch import kv_cache_line
@@ -109,3 +109,5 @@ def test_the_startup_banner_says_what_reads_a_16_bit_cache(tiny_llama_dir):
     native = choose_isa().isa != "none"
     assert ("native attention kernels read it" if native else "gathers it and runs SDPA") in line("float16")
     assert ("native decode attention reads it" if native else "gathers it and runs SDPA") in line("bfloat16")
+    assert ("native attention kernels read it" if native else "gathers it and runs SDPA") in line("fp8")
+    assert line("fp8_e5m2").startswith("  KV cache float8_e5m2: ")
