@@ -94,6 +94,28 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "kl_max": float(kl.max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
 
 
+def smollm2_prompt(prompt_file: str, prompt_tokens: int) -> tuple[str, torch.Tensor]:
+    """The SmolLM2 GGUF's path and the first prompt_tokens token ids of prompt_file's text ([1, n])."""
+    path = smollm2_gguf_path()
+    folder, name = path.rsplit("/", 1)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return path, tok(open(prompt_file).read(), return_tensors="pt").input_ids[:, :prompt_tokens]
+
+
+def transformers_model(path: str, dtype: torch.dtype):
+    """transformers' model of the GGUF at path (dequantized), in dtype."""
+    folder, name = path.rsplit("/", 1)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+
+
+def write_results(output: str, bench: str, path: str, ids: torch.Tensor, prompt_file: str, load_before, rows) -> None:
+    with open(output, "w") as f:
+        json.dump({"command": "python " + " ".join(sys.argv), "bench": bench, "model": os.path.basename(path),
+                   "prompt_tokens": int(ids.shape[1]), "prompt_file": prompt_file, "load_average_before": load_before,
+                   **machine_state(), "variants": rows}, f, indent=1)
+    print(f"wrote {output}")
+
+
 def engine_variants(path: str, ids: list[int], ref: torch.Tensor) -> list[dict]:
     """The engine's own prefill logits (the packed GGUF in float32, the vnni kernel) per mode."""
     from rackserve.config import ModelConfig
@@ -120,11 +142,8 @@ def main() -> None:
     parser.add_argument("--output")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    path = smollm2_gguf_path()
-    folder, name = path.rsplit("/", 1)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    ids = tok(open(args.prompt_file).read(), return_tensors="pt").input_ids[:, :args.prompt_tokens]
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    path, ids = smollm2_prompt(args.prompt_file, args.prompt_tokens)
+    model = transformers_model(path, torch.float32)
     ref, _ = logits_with(model, ids, None)
     rows = []
     variants = [("two", 0.0, False), ("one", 0.0, False), ("one", 0.0, True)]
@@ -135,7 +154,7 @@ def main() -> None:
         rows.append({"mode": mode + (" +lm_head" if lm_head else ""), "tau": tau, "two_part_share": share,
                      **compare(ref, got), "seconds": time.perf_counter() - start})
     rows += engine_variants(path, ids[0].tolist(), ref)
-    bf16 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    bf16 = transformers_model(path, torch.bfloat16)
     with torch.no_grad():
         rows.append({"mode": "transformers bfloat16", "tau": None, "two_part_share": None,
                      **compare(ref, bf16(ids).logits[0].float())})
@@ -146,12 +165,7 @@ def main() -> None:
         share = "" if r["two_part_share"] is None else f"{100 * r['two_part_share']:.1f}%"
         print(f"{label:>24} {share:>15} {r['max_abs_logit_diff']:>12.3f} {r['kl_mean']:>10.2e} {100 * r['top1_agreement']:>6.1f}%")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "bench": "activation_parts_numerics",
-                       "model": os.path.basename(path), "prompt_tokens": int(ids.shape[1]),
-                       "prompt_file": args.prompt_file, "load_average_before": load_before, **machine_state(),
-                       "variants": rows}, f, indent=1)
-        print(f"wrote {args.output}")
+        write_results(args.output, "activation_parts_numerics", path, ids, args.prompt_file, load_before, rows)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,18 @@ max |logit diff|, mean and max KL, top-1 agreement. Writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from activation_parts_numerics import compare  # noqa: E402  (max|diff|, KL, top-1 against a reference)
+# max|diff|, KL, top-1 against a reference; the prompt, transformers' model and the results file as there
+from activation_parts_numerics import compare, smollm2_prompt, transformers_model, write_results  # noqa: E402
 
-from rackserve.bench.record import machine_state  # noqa: E402
-from rackserve.config import KV_CACHE_DTYPE_NAMES, ModelConfig, smollm2_gguf_path  # noqa: E402
+from rackserve.config import KV_CACHE_DTYPE_NAMES, ModelConfig  # noqa: E402
 from rackserve.model.loader import load_model  # noqa: E402
 from tests.test_model_parity import prefill_logits  # noqa: E402  (one prefill through a paged cache)
 
@@ -40,11 +38,8 @@ def main() -> None:
     parser.add_argument("--output")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    path = smollm2_gguf_path()
-    folder, name = path.rsplit("/", 1)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    ids = tok(open(args.prompt_file).read(), return_tensors="pt").input_ids[:, :args.prompt_tokens]
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    path, ids = smollm2_prompt(args.prompt_file, args.prompt_tokens)
+    hf = transformers_model(path, torch.float32)
     with torch.no_grad():
         ref = hf(ids).logits[0].float()
     model, info = load_model(ModelConfig(path, "smol", path, "float32", "cpu", None, 0, quantization="gguf"))
@@ -53,7 +48,7 @@ def main() -> None:
         cache_dtype = getattr(torch, KV_CACHE_DTYPE_NAMES.get(dtype, dtype))
         rows.append({"kv_cache_dtype": dtype, **compare(ref, prefill_logits(model, info, ids[0].tolist(),
                                                                             cache_dtype).float())})
-    bf16 = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16).eval()
+    bf16 = transformers_model(path, torch.bfloat16)
     with torch.no_grad():
         rows.append({"kv_cache_dtype": "transformers bfloat16 (all of it)", **compare(ref, bf16(ids).logits[0].float())})
     print(f"{ids.shape[1]} prompt tokens of {args.prompt_file}; against transformers float32 on the dequantized GGUF")
@@ -62,12 +57,7 @@ def main() -> None:
         print(f"{r['kv_cache_dtype']:>34} {r['max_abs_logit_diff']:>12.3f} {r['kl_mean']:>10.2e} {r['kl_max']:>10.2e} "
               f"{100 * r['top1_agreement']:>6.1f}%")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "bench": "kv_cache_numerics",
-                       "model": os.path.basename(path), "prompt_tokens": int(ids.shape[1]),
-                       "prompt_file": args.prompt_file, "load_average_before": load_before, **machine_state(),
-                       "variants": rows}, f, indent=1)
-        print(f"wrote {args.output}")
+        write_results(args.output, "kv_cache_numerics", path, ids, args.prompt_file, load_before, rows)
 
 
 if __name__ == "__main__":
