@@ -94,6 +94,13 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "kl_max": float(kl.max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).float().mean())}
 
 
+def prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt's and the results file's options."""
+    parser.add_argument("--prompt-tokens", type=int, default=400)
+    parser.add_argument("--prompt-file", default="README.md", help="text whose first --prompt-tokens tokens are the prompt")
+    parser.add_argument("--output")
+
+
 def smollm2_prompt(prompt_file: str, prompt_tokens: int) -> tuple[str, torch.Tensor]:
     """The SmolLM2 GGUF's path and the first prompt_tokens token ids of prompt_file's text ([1, n])."""
     path = smollm2_gguf_path()
@@ -137,9 +144,7 @@ def engine_variants(path: str, ids: list[int], ref: torch.Tensor) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--taus", default="2,3,4,6,8", help="thresholds (max|x| of a block over its row's RMS)")
-    parser.add_argument("--prompt-tokens", type=int, default=400)
-    parser.add_argument("--prompt-file", default="README.md", help="text whose first --prompt-tokens tokens are the prompt")
-    parser.add_argument("--output")
+    prompt_arguments(parser)
     args = parser.parse_args()
     load_before = os.getloadavg()
     path, ids = smollm2_prompt(args.prompt_file, args.prompt_tokens)

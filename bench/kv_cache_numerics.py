@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # max|diff|, KL, top-1 against a reference; the prompt, transformers' model and the results file as there
-from activation_parts_numerics import compare, smollm2_prompt, transformers_model, write_results  # noqa: E402
+from activation_parts_numerics import (compare, prompt_arguments, smollm2_prompt, transformers_model,  # noqa: E402
+                                       write_results)
 
 from rackserve.config import KV_CACHE_DTYPE_NAMES, ModelConfig  # noqa: E402
 from rackserve.model.loader import load_model  # noqa: E402
@@ -33,9 +34,7 @@ DTYPES = ("float32", "float16", "fp8", "fp8_e5m2")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt-tokens", type=int, default=400)
-    parser.add_argument("--prompt-file", default="README.md", help="text whose first --prompt-tokens tokens are the prompt")
-    parser.add_argument("--output")
+    prompt_arguments(parser)
     args = parser.parse_args()
     load_before = os.getloadavg()
     path, ids = smollm2_prompt(args.prompt_file, args.prompt_tokens)
