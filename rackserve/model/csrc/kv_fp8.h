@@ -3,8 +3,9 @@
 // through F16C, which every native build has: an e5m2 code is a float16's top byte, and an e4m3 code's
 // exponent and mantissa moved into float16's places (the sign kept) are a float16 equal to the value
 // times 2^-8, normal and subnormal alike (float16's exponent bias is 8 more than e4m3's), so one
-// multiply by 256 gives the value exactly, or a reader scales its results instead. The cache holds the values themselves (vLLM's k_scale and
-// v_scale of 1.0, what it uses where a checkpoint gives none).
+// multiply by 256 gives the value exactly, or a reader scales its results instead. The cache holds
+// the values themselves (vLLM's k_scale and v_scale of 1.0, what it uses where a checkpoint gives
+// none).
 #pragma once
 #include <immintrin.h>
 
@@ -26,15 +27,13 @@ inline uint16_t half_bits(fp8e4m3 x) { return static_cast<uint16_t>((x.bits & 0x
 // "Raw" values: the float16 that half_bits makes, i.e. the value times kFp8RawUnit (2^-8 for e4m3,
 // float16's bias less e4m3's; 1 for e5m2), exact and never a float32 denormal (F16C widens float16
 // subnormals exactly, whatever MXCSR's DAZ says). A reader that scales its results by 1 / unit
-// skips a multiply a vector (paged_decode_attention.cpp); fp8_value and widen8 give the values.
+// skips a multiply a vector (paged_decode_attention.cpp); widen8 gives the values.
 template <typename T>
 constexpr float kFp8RawUnit = 1.f;
 template <>
 inline constexpr float kFp8RawUnit<fp8e4m3> = 1.f / 256.f;
 template <typename T>
 inline float fp8_raw(T x) { return _cvtsh_ss(half_bits(x)); }
-template <typename T>
-inline float fp8_value(T x) { return fp8_raw(x) / kFp8RawUnit<T>; }
 
 // 8 raw elements from p widened to float32: an e5m2 code zero-extended and moved to the top byte;
 // an e4m3 one sign-extended, so that shifted left by 7 its sign lands in bit 15 (and a copy in bit

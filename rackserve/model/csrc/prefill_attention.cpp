@@ -18,7 +18,8 @@
 // rs_prefill_attention; the torch backend keeps its two-matmul form for other dtypes and devices.
 // A float16 cache (rs_prefill_attention_f16) or an 8-bit float one (kv_fp8.h: _fp8e4m3, _fp8e5m2)
 // has each tile's keys and values widened once into float32 rows (F16C) that the same tiles read:
-// an item's 16 query rows x its group share each conversion. This file must never allocate tensors: the caller passes every buffer.
+// an item's 16 query rows x its group share each conversion. This file must never allocate
+// tensors: the caller passes every buffer.
 #include <immintrin.h>
 
 #include <algorithm>
