@@ -23,6 +23,7 @@ import sys
 import tempfile
 import zlib
 
+from rackserve.config import KV_CACHE_DTYPE_NAMES
 from rackserve.cpu_dtype import cpu_identity
 from rackserve.sim.hardware import Hardware
 
@@ -43,10 +44,11 @@ def processor() -> str:
 
 
 # The KV caches `rackserve serve` keeps on a CPU, by the simulator's precision names and serve's
-# (--kv-cache-dtype's, and the torch names its settings record), as the torch names a key holds.
+# (--kv-cache-dtype's, config.KV_CACHE_DTYPE_NAMES for its 8-bit ones, and the torch names its
+# settings record), as the torch names a key holds.
 KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn",
-                   "float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn",
-                   "fp8_e5m2": "float8_e5m2", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
+                   **{name: name for name in ("float32", "float16", "bfloat16", *KV_CACHE_DTYPE_NAMES.values())},
+                   **KV_CACHE_DTYPE_NAMES}
 # serve's --kv-cache-dtype for a key's torch name where they differ.
 _SERVE_KV_NAMES = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 
