@@ -186,6 +186,41 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `--speculative-config` keys. method "ngram" (prompt lookup):
+    each step a decoding request proposes the up to num_speculative_tokens tokens that followed the
+    latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min,
+    the longest found), and one forward pass checks them all (core/spec_decode.py)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 0     # 0: no speculative decoding
+    prompt_lookup_max: int | None = None   # vLLM's defaults: both 5 when neither is given, else each
+    prompt_lookup_min: int | None = None   # the other's
+
+    @classmethod
+    def from_json(cls, value: "str | dict | None") -> "SpeculativeConfig | None":
+        if value is None:
+            return None
+        try:
+            raw = json.loads(value) if isinstance(value, str) else dict(value)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config takes a JSON object: {e}") from None
+        known = {f.name for f in fields(cls)}
+        _require(isinstance(raw, dict) and not set(raw) - known,
+                 f"--speculative-config takes a JSON object with keys among {sorted(known)}")
+        _require(raw.get("method", "ngram") == "ngram",
+                 f"speculative method {raw.get('method')!r}: rackserve proposes with 'ngram' (prompt lookup) only")
+        config = cls(**raw)
+        k, hi, lo = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+        _require(isinstance(k, int) and k > 0, "--speculative-config needs num_speculative_tokens > 0")
+        if hi is None and lo is None:
+            hi = lo = 5
+        hi, lo = (lo if hi is None else hi), (hi if lo is None else lo)
+        _require(all(isinstance(n, int) and n > 0 for n in (hi, lo)) and lo <= hi,
+                 f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) must be 1 <= min <= max")
+        return dataclasses.replace(config, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -194,6 +229,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None   # None: this instance moves no KV
     kv_events: KVEventsConfig | None = None
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative: SpeculativeConfig | None = None   # None: one token a step per decoding request
 
     def with_model_len(self, model_max_len: int) -> "EngineConfig":
         """Resolve max_model_len once the checkpoint says how long a context it supports."""
@@ -290,6 +326,12 @@ class EngineArgs:
     compilation_config: str | None = _opt(None, "torch.compile of the decode path, vLLM's keys: a mode "
                                           "(0 eager, 3 compile) or JSON, e.g. '{\"mode\": 3, "
                                           "\"compile_sizes\": [1, 2, 4, 8], \"warmup\": \"background\"}'")
+    speculative_config: str | dict | None = _opt(None, "speculative decoding as JSON (vLLM's keys), e.g. "
+                                                 '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                                                 '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\': each '
+                                                 "step a decoding request proposes the tokens that followed the "
+                                                 "last earlier occurrence of its last n tokens, and one forward "
+                                                 "pass keeps those the model would have sampled itself")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -357,9 +399,14 @@ class EngineArgs:
                                 self.max_waiting_tokens)
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
         kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
+        speculative = SpeculativeConfig.from_json(self.speculative_config)
+        _require(speculative is None or kv_transfer is None,
+                 "--speculative-config with --kv-transfer-config: not supported yet (drafts' KV would ride "
+                 "the connector's stores before they are checked); run one of them")
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
                             kv_transfer=kv_transfer, kv_events=kv_events,
-                            compilation=CompilationConfig.from_json(self.compilation_config, self.enforce_eager))
+                            compilation=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
+                            speculative=speculative)
 
     def _parallel_config(self, device: str) -> ParallelConfig:
         tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes

@@ -100,6 +100,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def child(self, index: int) -> "SamplingParams":
         """The params of the index-th of n samples: n=1, and a distinct seed when seeded."""
         from dataclasses import replace

@@ -191,7 +191,7 @@ def test_logprobs_are_returned_for_requests_that_ask(llama):
     s = HandScheduler(runner, seed=6)
     r = s.add("lp", prompt(11, 70), SamplingParams(temperature=0.0, logprobs=3, max_tokens=None))
     out = s.step({"lp": 11})
-    lp = out.logprobs[0]
+    [lp] = out.logprobs[0]      # one entry per sampled token
     ref = hf(torch.tensor([r.prompt])).logits[0, -1].log_softmax(-1)
     assert lp.sampled_rank == 1 and lp.top_token_ids[0] == out.sampled_token_ids[0][0]
     assert lp.top_token_ids == ref.topk(3).indices.tolist()

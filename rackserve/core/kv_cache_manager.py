@@ -117,7 +117,8 @@ class KVCacheManager:
         new_blocks = hit.blocks + self.pool.get_new_blocks(num_needed)
         blocks.extend(new_blocks)
         if self.enable_caching:
-            num_full = (num_computed + num_new_tokens) // self.block_size
+            # Never past the request's own tokens: draft tokens (speculative decoding) may be rejected.
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             # At admission the hit blocks are the registered ones.
             num_cached = self.num_cached_blocks.get(request.request_id, len(hit.blocks))
             if num_full > num_cached and not delay_caching:

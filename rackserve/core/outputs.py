@@ -57,6 +57,9 @@ class SchedulerOutput:
     # last step. A preempted request comes back later as a NewRequestData.
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None   # the KV connector's orders for the workers (kv_transfer/)
+    # req_id -> draft tokens (speculative decoding) computed after its last token this step; they are
+    # part of its num_scheduled_tokens, and the runner returns those it kept plus one token it sampled.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -75,10 +78,11 @@ class LogprobsLists:
 @dataclass
 class ModelRunnerOutput:
     # Requests that sampled a token this step (those whose KV caught up with all their
-    # tokens), in batch order; a request still in the middle of its prompt samples nothing.
+    # tokens), in batch order; a request still in the middle of its prompt samples nothing. With
+    # draft tokens, a request's list is the drafts the runner kept and the token it sampled after them.
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    logprobs: list[LogprobsLists | None]
+    logprobs: list[list[LogprobsLists] | None]      # per request, one per sampled token (None: not asked)
     # Seconds the DP rank spent computing this step, time inside collectives excluded (its wait
     # for peers); the engine derives each DP rank's idle time from it. None: not measured.
     busy_seconds: float | None = None

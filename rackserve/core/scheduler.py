@@ -7,6 +7,12 @@ cached prefix while the budget, `max_num_seqs` and free KV blocks allow. When bl
 most recently admitted running request is preempted by recompute: its blocks are freed (its full
 ones stay in the prefix cache) and it waits again at the front of the queue.
 
+With --speculative-config, a decoding request computes its last token and the draft tokens the
+proposer (core/spec_decode.py) gives it, as far as the budget leaves room; the drafts the runner
+rejects are taken back from its computed tokens when the step's output arrives (their KV slots are
+written over by the next step), and no draft ever enters the prefix cache (blocks are cached only
+as far as the request's own tokens).
+
 With a KV connector (kv_transfer/), a request whose prompt KV comes from elsewhere is admitted into
 WAITING_FOR_REMOTE_KVS: it holds blocks that no other request can hit until the workers report the
 KV landed, then it waits again at the front of the queue (or recomputes, if the load failed). A
@@ -28,6 +34,7 @@ from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRu
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.stats import SchedulerStats, sum_expert_token_counts
 from rackserve.core.remote_kv import RemoteKV
+from rackserve.core.spec_decode import NgramProposer
 from rackserve.kv_transfer.base import create_kv_connector_scheduler
 
 
@@ -68,6 +75,11 @@ class Scheduler:
         self.connector = create_kv_connector_scheduler(config, dp_rank, kv_cache_config)
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
+        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        if self.proposer is not None and kv_cache_config is not None:
+            raise ValueError("--speculative-config with a model of several kinds of KV cache (a sliding window, "
+                             "compressed entries: DeepSeek-V4) is not supported: its drafts' compressed KV "
+                             "could not be taken back")
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -118,6 +130,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         # Decode first: a prefill chunk ahead of decodes in the queue leaves them their tokens,
@@ -135,7 +148,12 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            block_ids = self.kv.allocate_slots(request, n)
+            drafts = self._drafts(request, budget - decodes_left - 1) if remaining == 1 else []
+            # Drafts take free blocks only: no one is preempted for a guess.
+            block_ids = self.kv.allocate_slots(request, n + len(drafts)) if drafts else None
+            if block_ids is None:
+                drafts = []
+                block_ids = self.kv.allocate_slots(request, n)
             while block_ids is None:
                 # Running requests behind this one have not been scheduled yet: take the last.
                 victim = self.running.pop()
@@ -148,6 +166,9 @@ class Scheduler:
                 break
             assert request.request_id in self._in_workers
             cached_reqs.append(CachedRequestData(request.request_id, block_ids, request.num_computed_tokens))
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                n += len(drafts)
             num_scheduled[request.request_id] = n
             budget -= n
             prefill_left -= n if remaining > 1 else 0
@@ -210,7 +231,8 @@ class Scheduler:
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                  total_num_scheduled_tokens=sum(num_scheduled.values()),
                                  finished_req_ids=self._drop_from_workers,
-                                 kv_connector_metadata=self.connector.build_connector_meta() if self.connector else None)
+                                 kv_connector_metadata=self.connector.build_connector_meta() if self.connector else None,
+                                 scheduled_spec_decode_tokens=spec_tokens)
         self._drop_from_workers = set()
         return output
 
@@ -233,6 +255,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.finished:
                 continue   # finished from outside while the step ran
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:   # the runner kept len(token_ids) - 1 of them; the rest's KV is not the request's
+                request.num_computed_tokens -= len(drafts) - (len(token_ids) - 1)
+                stats.num_drafts += 1
+                stats.num_draft_tokens += len(drafts)
+                stats.num_accepted_tokens += len(token_ids) - 1
             new_tokens = []
             for token_id in token_ids:
                 request.append_output_token(token_id)
@@ -244,10 +272,21 @@ class Scheduler:
                 self.running.remove(request)
                 kv_transfer_params = self._release(request)
             outputs.append(EngineCoreOutput(
-                req_id, new_tokens, None if logprobs is None else [logprobs],
+                req_id, new_tokens, None if logprobs is None else logprobs[:len(new_tokens)],
                 request.status.finish_reason, request.stop_reason, request.num_cached_tokens,
                 kv_transfer_params))
         return outputs
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """The proposer's draft tokens for a decoding request, at most `room` (what the step's budget
+        leaves once the decodes behind it have their token), and never more than the request may
+        still output or max_model_len holds beyond its next token. Requests with penalties get none
+        (each draft's penalties would depend on the drafts before it)."""
+        if self.proposer is None or self.remote is not None or request.sampling_params.has_penalties:
+            return []
+        room = min(room, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.request_id, request.all_token_ids, room) if room > 0 else []
 
     def _prefill_allowance(self, num_decodes: int) -> int:
         """Prompt tokens this step may compute, all requests together. With --max-waiting-tokens N
@@ -313,6 +352,8 @@ class Scheduler:
         """Free a finished request's blocks (or, `may_hold`, let the connector hold them for a
         peer); returns the connector's kv_transfer_params for the caller."""
         params = None
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if self.remote is not None and may_hold:
             params = self.remote.finish(request)
         else:

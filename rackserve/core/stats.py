@@ -60,6 +60,10 @@ class SchedulerStats:
     expert_token_counts: list[int] | None = None
     # One scheduler's KV events since its last snapshot (merged stats carry them per DP rank).
     kv_events: list[KVCacheEvent] = field(default_factory=list)
+    # Speculative decoding this step: requests that computed drafts, their drafts, the drafts kept.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def sum_expert_token_counts(counts: Iterable[list[int] | None]) -> list[int] | None:

@@ -44,6 +44,9 @@ def merge_dp_stats(per_rank: Sequence[SchedulerStats], num_kv_blocks: Sequence[i
         external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in per_rank),
         kv_transfer=_sum_kv_transfer(s.kv_transfer for s in per_rank),
         num_preemptions=sum(s.num_preemptions for s in per_rank),
+        num_drafts=sum(s.num_drafts for s in per_rank),
+        num_draft_tokens=sum(s.num_draft_tokens for s in per_rank),
+        num_accepted_tokens=sum(s.num_accepted_tokens for s in per_rank),
         expert_token_counts=sum_expert_token_counts(s.expert_token_counts for s in per_rank),
         dp_ranks=[DPRankStats(s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage, busy,
                               slowest - busy if measured else 0.0,   # type: ignore[operator]

@@ -1,6 +1,13 @@
 """ModelRunner: turns one SchedulerOutput into one forward pass and one sampled token per request
 whose KV has caught up with all its tokens.
 
+Speculative decoding: a request scheduled with draft tokens (SchedulerOutput.scheduled_spec_decode_tokens)
+computes its last token and the drafts as one chunk, and samples at each of their positions as
+it would have one step at a time (each position's own seed); it keeps the drafts up to the first
+one that differs from what it sampled there, plus the token sampled at that position (or after the
+last draft). Its outputs are then those of decoding without drafts, in distribution and, seeded,
+token for token, up to the logits' rounding between a chunk and single steps.
+
 It owns the worker-side request state (tokens, block table, generator, penalty row), the KV cache
 tensors and the step's input tensors and attention metadata, built once per step. It must never decide what
 runs (the scheduler does) and never keeps a request the scheduler told it to drop.
@@ -69,6 +76,7 @@ class StepInputs:
     attn_metadata: object               # the backend's own, built once per step
     logits_indices: torch.Tensor        # [R] batch rows whose logits are sampled
     sampling_states: list[CachedRequestState]
+    drafts: list[list[int]]             # per sampling state, the draft tokens it computed (rows 1.. of its logits)
 
 
 class ModelRunner:
@@ -171,27 +179,47 @@ class ModelRunner:
         if not inputs.sampling_states:
             return ModelRunnerOutput([], [], [], expert_token_counts=expert_counts)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        for state in inputs.sampling_states:
+        states, drafts = inputs.sampling_states, inputs.drafts
+        unfilled = self._fill_penalty_rows(states, logits.shape[1]) if self._unfilled else {}
+        firsts: list[int] = []      # each state's first row of logits; its drafts' rows follow it
+        rows: list[SamplingRow] = []
+        for state, spec in zip(states, drafts):
+            firsts.append(len(rows))
+            seed, position = state.sampling_params.seed, len(state.output_token_ids)
             if state.generator is not None:
                 # Seeded per output position, so a request resumed after preemption (with a
                 # fresh generator) draws exactly what it would have drawn.
-                state.generator.manual_seed(_position_seed(state.sampling_params.seed, len(state.output_token_ids)))
-        states = inputs.sampling_states
-        unfilled = self._fill_penalty_rows(states, logits.shape[1]) if self._unfilled else {}
-        rows = [SamplingRow(s.sampling_params, s.generator, s.penalty_row) for s in states]
-        sampled, failed_rows = sample_isolating_failures(self.sampler, logits, rows, self.penalties, unfilled)
-        ok = [i for i in range(len(states)) if i not in failed_rows]
+                state.generator.manual_seed(_position_seed(seed, position))
+            rows.append(SamplingRow(state.sampling_params, state.generator, state.penalty_row))
+            for j in range(1, len(spec) + 1):   # never penalised (the scheduler drafts for none)
+                rows.append(SamplingRow(state.sampling_params, None if seed is None else
+                                        torch.Generator(self.device).manual_seed(_position_seed(seed, position + j))))
+        sampled, failed_rows = sample_isolating_failures(self.sampler, logits, rows, self.penalties,
+                                                         {firsts[i]: reason for i, reason in unfilled.items()})
+        req_ids: list[str] = []
+        token_ids: list[list[int]] = []
+        logprobs: list[list | None] = []
+        failed: dict[str, str] = {}
         penalty_rows: list[int] = []
         penalty_tokens: list[int] = []
-        for i in ok:   # a failed request is ended by the scheduler, then dropped here
-            states[i].output_token_ids.append(sampled.token_ids[i])
-            if states[i].penalty_row is not None:
-                penalty_rows.append(states[i].penalty_row)
-                penalty_tokens.append(sampled.token_ids[i])
+        for state, first, spec in zip(states, firsts, drafts):
+            reason = next((failed_rows[r] for r in range(first, first + len(spec) + 1) if r in failed_rows), None)
+            if reason is not None:   # a failed request is ended by the scheduler, then dropped here
+                failed[state.req_id] = reason
+                continue
+            kept = 0    # drafts equal to what was sampled at their positions
+            while kept < len(spec) and sampled.token_ids[first + kept] == spec[kept]:
+                kept += 1
+            new = sampled.token_ids[first:first + kept + 1]
+            state.output_token_ids += new
+            if state.penalty_row is not None:
+                penalty_rows.append(state.penalty_row)
+                penalty_tokens += new
+            req_ids.append(state.req_id)
+            token_ids.append(new)
+            logprobs.append(None if sampled.logprobs[first] is None else sampled.logprobs[first:first + kept + 1])
         self.penalties.append(penalty_rows, penalty_tokens)
-        return ModelRunnerOutput([states[i].req_id for i in ok], [[sampled.token_ids[i]] for i in ok],
-                                 [sampled.logprobs[i] for i in ok], expert_token_counts=expert_counts,
-                                 failed={states[i].req_id: reason for i, reason in failed_rows.items()})
+        return ModelRunnerOutput(req_ids, token_ids, logprobs, expert_token_counts=expert_counts, failed=failed)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -244,13 +272,18 @@ class ModelRunner:
         hit_blocks: list[tuple[int, ...]] = []
         logits_indices: list[int] = []
         sampling_states: list[CachedRequestState] = []
+        drafts: list[list[int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
+            spec = so.scheduled_spec_decode_tokens.get(req_id, [])
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            assert n > 0 and end <= state.num_tokens, f"{req_id}: scheduled [{start}, {end}) of {state.num_tokens} tokens"
+            assert n > 0 and end - len(spec) <= state.num_tokens, \
+                f"{req_id}: scheduled [{start}, {end}) of {state.num_tokens} tokens + {len(spec)} drafts"
+            assert not spec or end - len(spec) == state.num_tokens, f"{req_id}: drafts follow its last token"
             table = state.block_ids[0]
             assert len(table) * bs >= end, f"{req_id}: {len(table)} blocks cannot hold {end} tokens"
-            input_ids += state.token_ids(start, end)
+            input_ids += state.token_ids(start, end - len(spec))
+            input_ids += spec
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_lens.append(n)
@@ -259,9 +292,10 @@ class ModelRunner:
             if self.kv_cache_config is not None:
                 group_tables.append(tuple(state.block_ids))
                 hit_blocks.append(state.num_hit_blocks)
-            if end == state.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+            if end - len(spec) == state.num_tokens:
+                logits_indices += range(len(input_ids) - 1 - len(spec), len(input_ids))
                 sampling_states.append(state)
+                drafts.append(spec)
         assert len(input_ids) == so.total_num_scheduled_tokens, "total_num_scheduled_tokens disagrees with the dict"
 
         def tensor(values: list[int]) -> torch.Tensor:
@@ -271,7 +305,7 @@ class ModelRunner:
         if self.kv_cache_config is not None:
             common.group_block_tables, common.num_hit_blocks = group_tables, hit_blocks
         return StepInputs(tensor(input_ids), tensor(positions), self.attn_backend.build_metadata(common, self.device),
-                          tensor(logits_indices), sampling_states)
+                          tensor(logits_indices), sampling_states, drafts)
 
 
 def kv_cache_dtype(config: EngineConfig) -> torch.dtype:

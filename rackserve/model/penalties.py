@@ -56,7 +56,7 @@ def _ids(tokens: list[int], vocab: int) -> torch.Tensor:
 
 
 def has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return p.has_penalties
 
 
 class PenaltyRows:

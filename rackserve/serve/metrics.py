@@ -61,6 +61,11 @@ class PrometheusStatLogger(StatLogger):
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV cache.")
+        # Speculative decoding (vLLM's spec_decode_* names): accepted / draft tokens is the acceptance rate.
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Decodes that computed draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens computed.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Draft tokens kept (the model sampled them itself).")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Time to first token.",
                                              TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between tokens.",
@@ -99,6 +104,9 @@ class PrometheusStatLogger(StatLogger):
         for counter, value in ((self.prefix_cache_queries, scheduler_stats.prefix_cache_queries),
                                (self.prefix_cache_hits, scheduler_stats.prefix_cache_hits),
                                (self.num_preemptions, scheduler_stats.num_preemptions),
+                               (self.spec_decode_num_drafts, scheduler_stats.num_drafts),
+                               (self.spec_decode_num_draft_tokens, scheduler_stats.num_draft_tokens),
+                               (self.spec_decode_num_accepted_tokens, scheduler_stats.num_accepted_tokens),
                                (self.external_prefix_cache_queries, scheduler_stats.external_prefix_cache_queries),
                                (self.external_prefix_cache_hits, scheduler_stats.external_prefix_cache_hits),
                                (self.prompt_tokens, iteration_stats.num_prompt_tokens),

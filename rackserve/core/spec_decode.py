@@ -1,0 +1,55 @@
+"""Speculative decoding's proposer: n-gram prompt lookup (vLLM's `"method": "ngram"`).
+
+Each step, a request that decodes is given up to k draft tokens: the tokens that followed the latest
+earlier occurrence of its last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max]
+that occurs before. The model runner computes the request's last token and the drafts in one
+forward pass and keeps the drafts up to the first one it would not have sampled itself, plus the
+token it sampled there (executor/model_runner.py), so outputs are the model's own: a draft only
+saves the steps it was right about. A draft is a guess that costs no model, so it pays where
+outputs repeat their context (code edits, quoted documents, tool calls over earlier output).
+
+Each request's positions are indexed by token as its tokens arrive (a dict of lists), so a lookup
+reads the positions of its last token, latest first, instead of scanning the context. This file
+never imports torch; the scheduler owns when drafts are asked for and how many fit.
+"""
+from __future__ import annotations
+
+from rackserve.config import SpeculativeConfig
+
+MAX_CANDIDATES = 64     # latest occurrences of the last token a lookup compares, at most
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.max_n = config.prompt_lookup_max
+        self.min_n = config.prompt_lookup_min
+        self._index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}   # req id -> (positions by token, [indexed])
+
+    def propose(self, req_id: str, tokens: list[int], max_drafts: int) -> list[int]:
+        """Up to min(k, max_drafts) draft tokens to follow `tokens` (the request's prompt and
+        outputs so far); [] when no n-gram of the allowed sizes occurs earlier."""
+        want = min(self.k, max_drafts)
+        if want <= 0 or len(tokens) <= self.min_n:
+            return []
+        positions, indexed = self._index.setdefault(req_id, ({}, [0]))
+        end = len(tokens) - 1       # the last token is the pattern's end, not a candidate
+        for p in range(indexed[0], end):
+            positions.setdefault(tokens[p], []).append(p)
+        indexed[0] = end
+        best_len, best_at = 0, -1
+        candidates = positions.get(tokens[-1], ())
+        for p in reversed(candidates[-MAX_CANDIDATES:]):     # latest first: a longer match must be strictly longer
+            n = 1
+            while n < self.max_n and p - n >= 0 and tokens[p - n] == tokens[end - n]:
+                n += 1
+            if n > best_len:
+                best_len, best_at = n, p
+                if n == self.max_n:
+                    break
+        if best_len < self.min_n:
+            return []
+        return tokens[best_at + 1:best_at + 1 + want]
+
+    def forget(self, req_id: str) -> None:
+        self._index.pop(req_id, None)
