@@ -195,6 +195,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0     # 0: no speculative decoding
     prompt_lookup_max: int | None = None   # vLLM's defaults: both 5 when neither is given, else each
     prompt_lookup_min: int | None = None   # the other's
+    # No drafts while this many requests or more are running (a step of many rows gains less from
+    # them and pays more for each: on a CPU a draft costs a decode row); None: always.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_json(cls, value: "str | dict | None") -> "SpeculativeConfig | None":
@@ -217,6 +220,9 @@ class SpeculativeConfig:
         hi, lo = (lo if hi is None else hi), (hi if lo is None else lo)
         _require(all(isinstance(n, int) and n > 0 for n in (hi, lo)) and lo <= hi,
                  f"prompt_lookup_min ({lo}) and prompt_lookup_max ({hi}) must be 1 <= min <= max")
+        _require(config.disable_by_batch_size is None or (isinstance(config.disable_by_batch_size, int)
+                                                          and config.disable_by_batch_size >= 2),
+                 "disable_by_batch_size must be >= 2 (or null)")
         return dataclasses.replace(config, prompt_lookup_max=hi, prompt_lookup_min=lo)
 
 

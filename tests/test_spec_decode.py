@@ -161,6 +161,27 @@ def test_scheduler_counts_drafts_and_never_caches_a_block_of_drafts():
     assert sched.kv.num_cached_blocks["a"] == len(req.block_hashes)
 
 
+def test_no_drafts_for_penalised_requests_nor_beyond_disable_by_batch_size():
+    def drafted_by_running(spec, **params):
+        sched = make_scheduler(spec)
+        for i in range(3):
+            sched.add_request(Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=6 + 6 * i, **params)))
+        seen = []
+        original = sched.update_from_output
+
+        def record(so, out):
+            seen.append((len(sched.running), bool(so.scheduled_spec_decode_tokens)))
+            return original(so, out)
+        sched.update_from_output = record
+        run_engine_loop(sched)
+        return seen
+
+    assert not any(d for _, d in drafted_by_running(NGRAM, repetition_penalty=1.2))
+    seen = drafted_by_running({**NGRAM, "disable_by_batch_size": 2})
+    assert any(d for _, d in seen) and not any(d for running, d in seen if running >= 2)
+    assert any(d for running, d in drafted_by_running(NGRAM) if running >= 2)
+
+
 # -- engines on tiny models ----------------------------------------------------------------------
 class SpecStats:
     def __init__(self):
@@ -255,3 +276,37 @@ def test_drafts_under_tensor_parallelism_give_the_one_process_tokens(tiny_llama_
 def test_a_model_with_several_kinds_of_kv_cache_refuses_drafts(tiny_deepseek_v4_kv_dir):
     with pytest.raises(ValueError, match="several kinds of KV cache"):
         LLM(tiny_deepseek_v4_kv_dir, dtype="float32", device="cpu", speculative_config=NGRAM)
+
+
+def test_server_streams_the_tokens_of_decoding_without_drafts_and_counts_them(tmp_path, tiny_llama_dir):
+    """`rackserve serve --speculative-config` driven by the openai client: streamed and whole
+    completions carry the greedy tokens of an engine without drafts, several tokens a chunk where
+    drafts were kept, and /metrics counts the drafts (vLLM's spec_decode names)."""
+    import json
+
+    import openai
+
+    from tests.server_utils import metric_totals, start_server
+    prompt = repetitive_prompts(512)[4]     # this tiny model's greedy output repeats a token: drafts are kept
+    with LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB,
+             skip_tokenizer_init=True) as llm:
+        expected = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS,
+                                                                          ignore_eos=True))[0].outputs[0].token_ids
+    proc, url = start_server(["--model", tiny_llama_dir, "--served-model-name", "tiny", "--device", "cpu",
+                              "--skip-tokenizer-init", "--num-gpu-blocks-override", "64",
+                              "--speculative-config", json.dumps(NGRAM)], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        body = dict(model="tiny", prompt=prompt, max_tokens=NUM_TOKENS, temperature=0.0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        whole = client.completions.create(**body)
+        assert whole.choices[0].token_ids == expected
+        chunks = [c.choices[0].token_ids for c in client.completions.create(stream=True, **body)
+                  if c.choices and c.choices[0].token_ids]
+        assert [t for c in chunks for t in c] == expected and max(map(len, chunks)) > 1
+        totals = metric_totals(url)
+        assert 0 < totals["rackserve:spec_decode_num_accepted_tokens_total"] \
+            <= totals["rackserve:spec_decode_num_draft_tokens_total"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

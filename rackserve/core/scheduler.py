@@ -76,6 +76,7 @@ class Scheduler:
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
         self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        self.spec_max_running = config.speculative and config.speculative.disable_by_batch_size
         if self.proposer is not None and kv_cache_config is not None:
             raise ValueError("--speculative-config with a model of several kinds of KV cache (a sliding window, "
                              "compressed entries: DeepSeek-V4) is not supported: its drafts' compressed KV "
@@ -281,8 +282,10 @@ class Scheduler:
         """The proposer's draft tokens for a decoding request, at most `room` (what the step's budget
         leaves once the decodes behind it have their token), and never more than the request may
         still output or max_model_len holds beyond its next token. Requests with penalties get none
-        (each draft's penalties would depend on the drafts before it)."""
-        if self.proposer is None or self.remote is not None or request.sampling_params.has_penalties:
+        (each draft's penalties would depend on the drafts before it), nor any while
+        disable_by_batch_size requests or more are running."""
+        if self.proposer is None or request.sampling_params.has_penalties \
+                or (self.spec_max_running and len(self.running) >= self.spec_max_running):
             return []
         room = min(room, request.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)

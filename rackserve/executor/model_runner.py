@@ -2,7 +2,7 @@
 whose KV has caught up with all its tokens.
 
 Speculative decoding: a request scheduled with draft tokens (SchedulerOutput.scheduled_spec_decode_tokens)
-computes its last token and the drafts as one chunk, and samples at each of their positions as
+computes its last token and the drafts as that many decode rows, and samples at each of their positions as
 it would have one step at a time (each position's own seed); it keeps the drafts up to the first
 one that differs from what it sampled there, plus the token sampled at that position (or after the
 last draft). Its outputs are then those of decoding without drafts, in distribution and, seeded,
@@ -286,9 +286,17 @@ class ModelRunner:
             input_ids += spec
             positions += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_lens.append(n)
-            context_lens.append(start)
-            block_tables.append(table)
+            if spec:
+                # The last token and its drafts as decode rows, row j over the first start + j + 1
+                # positions: a chunk's causal mask (every backend writes a step's KV before it
+                # attends), and the step stays one the native decode step takes.
+                query_lens += [1] * n
+                context_lens += range(start, end)
+                block_tables += [table] * n
+            else:
+                query_lens.append(n)
+                context_lens.append(start)
+                block_tables.append(table)
             if self.kv_cache_config is not None:
                 group_tables.append(tuple(state.block_ids))
                 hit_blocks.append(state.num_hit_blocks)

@@ -1,0 +1,126 @@
+"""What n-gram speculative decoding (`--speculative-config`) gives SmolLM2 on this CPU, task by task.
+
+Engines over SmolLM2-135M-Instruct's GGUF, one without drafts and one per --spec config, each run the
+same chat tasks greedily (a copy of a text, a code edit, a question on a document, an open story:
+from outputs that repeat their context to outputs that do not), one request at a time and then all
+at once, in rounds whose engine order rotates (this VM's speed moves between minutes). Per task and
+engine: decode tokens/s (output tokens over the time after the first token), its ratio to the engine
+without drafts in the same round, the drafts' acceptance (kept / computed) and whether the greedy
+tokens equal the engine without drafts'. Writes them as JSON.
+
+    python bench/spec_decode_ab.py --rounds 3 --output bench/results/spec-decode-smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rackserve import LLM, SamplingParams  # noqa: E402
+from rackserve.bench.record import machine_state  # noqa: E402
+from rackserve.core.spec_decode import NgramProposer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPECS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+                 '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}']
+
+
+def tasks() -> dict[str, str]:
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("rackserve"):][:900]
+    code = inspect.getsource(NgramProposer.propose)
+    return {
+        "copy": f"Copy the following text exactly, word for word, and write nothing else:\n\n{paragraph}",
+        "edit": "Rename the variable `best_len` to `longest` in this Python method and return the whole "
+                f"method, otherwise unchanged:\n\n```python\n{code}```",
+        "question": f"{paragraph}\n\nIn two sentences: what is rackserve, according to this text?",
+        "story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    }
+
+
+class Counts:
+    """A stat logger that adds up the drafts computed and kept."""
+    def __init__(self):
+        self.drafts = self.accepted = 0
+
+    def record(self, sched_stats, iter_stats):
+        self.drafts += sched_stats.num_draft_tokens
+        self.accepted += sched_stats.num_accepted_tokens
+
+
+def timed(llm: LLM, counts: Counts, prompts: dict[str, str], max_tokens: int) -> dict[str, dict]:
+    """Each task alone, then all at once ("together"): tokens, decode seconds, drafts computed and kept."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = {}
+    for name, text in [*((n, [t]) for n, t in prompts.items()), ("together", list(prompts.values()))]:
+        d0, a0 = counts.drafts, counts.accepted
+        start = time.perf_counter()
+        outs = llm.chat([[{"role": "user", "content": t}] for t in text], params)
+        seconds = time.perf_counter() - start
+        ids = [o.outputs[0].token_ids for o in outs]
+        ttft = max(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+        out[name] = {"tokens": sum(map(len, ids)), "seconds": seconds, "decode_seconds": seconds - ttft,
+                     "draft_tokens": counts.drafts - d0, "accepted_tokens": counts.accepted - a0, "token_ids": ids}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", action="append", help="a --speculative-config to compare (repeatable)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    specs = args.spec or DEFAULT_SPECS
+    load_before = machine_state()["load_average"]
+    names = ["none", *specs]
+    engines = {}
+    for name in names:
+        llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=0.5, max_model_len=4096,
+                  speculative_config=None if name == "none" else json.loads(name))
+        counts = Counts()
+        llm.engine.stat_loggers.append(counts)
+        timed(llm, counts, {"warmup": "Say hello."}, 16)
+        engines[name] = (llm, counts)
+    prompts = tasks()
+    rounds = []
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        rounds.append({name: timed(*engines[name], prompts, args.max_tokens) for name in order})
+        print(f"round {r + 1}: " + ", ".join(
+            f"{name[:40]} {sum(t['tokens'] for t in res.values()) / sum(t['decode_seconds'] for t in res.values()):.1f} tok/s"
+            for name, res in rounds[-1].items()), flush=True)
+    rows = []
+    for task in [*prompts, "together"]:
+        for name in names:
+            runs = [rd[name][task] for rd in rounds]
+            rates = [x["tokens"] / x["decode_seconds"] for x in runs]
+            ratios = [x["tokens"] / x["decode_seconds"] / (rd["none"][task]["tokens"] / rd["none"][task]["decode_seconds"])
+                      for x, rd in zip(runs, rounds)]
+            drafts, kept = sum(x["draft_tokens"] for x in runs), sum(x["accepted_tokens"] for x in runs)
+            rows.append({"task": task, "speculative_config": None if name == "none" else json.loads(name),
+                         "tokens": runs[0]["tokens"], "decode_tok_s": rates, "median_decode_tok_s": statistics.median(rates),
+                         "ratio_to_none": ratios, "median_ratio_to_none": statistics.median(ratios),
+                         "acceptance": kept / drafts if drafts else None, "draft_tokens": drafts, "accepted_tokens": kept,
+                         "greedy_tokens_equal_none": all(x["token_ids"] == rd["none"][task]["token_ids"]
+                                                         for x, rd in zip(runs, rounds))})
+            r = rows[-1]
+            print(f"{task:9s} {name[:60]:60s} {r['median_decode_tok_s']:7.1f} tok/s x{r['median_ratio_to_none']:.2f} "
+                  f"acceptance {r['acceptance'] if r['acceptance'] is None else round(r['acceptance'], 3)} "
+                  f"same tokens {r['greedy_tokens_equal_none']}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "bench": "spec_decode_ab", "model": "smollm2-135m-instruct",
+                       "max_tokens": args.max_tokens, "load_average_before": load_before, **machine_state(),
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
