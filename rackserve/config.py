@@ -406,9 +406,6 @@ class EngineArgs:
         kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
         kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
         speculative = SpeculativeConfig.from_json(self.speculative_config)
-        _require(speculative is None or kv_transfer is None,
-                 "--speculative-config with --kv-transfer-config: not supported yet (a request's computed "
-                 "tokens count unchecked drafts while a connector reads them); run one of them")
         return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
                             kv_transfer=kv_transfer, kv_events=kv_events,
                             compilation=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),

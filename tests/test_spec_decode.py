@@ -17,7 +17,7 @@ from rackserve import LLM, SamplingParams
 from rackserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig,
                               SpeculativeConfig)
 from rackserve.core.outputs import ModelRunnerOutput
-from rackserve.core.request import Request
+from rackserve.core.request import Request, RequestStatus
 from rackserve.core.scheduler import Scheduler
 from rackserve.core.spec_decode import NgramProposer
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, hf_greedy
@@ -67,10 +67,16 @@ def test_speculative_config_follows_vllms_defaults_and_refuses_what_it_cannot_do
                 '{"num_speculative_tokens": 2, "draft_model": "x"}', "ngram"):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_json(bad)
-    args = EngineArgs(model="smollm2-135m-instruct", speculative_config=NGRAM,
-                      kv_transfer_config={"kv_connector": "MooncakeConnector"})
-    with pytest.raises(ValueError, match="speculative-config with --kv-transfer-config"):
-        args.create_engine_config()
+
+
+def test_the_startup_banner_says_how_it_drafts():
+    from rackserve.serve.launch import speculative_line
+
+    def line(spec):
+        return speculative_line(EngineArgs(model="smollm2-135m-instruct", speculative_config=spec).create_engine_config())
+    assert line(None) == ""
+    assert line({**NGRAM, "disable_by_batch_size": 4}) == \
+        "  speculative decoding: ngram, up to 3 drafts a step from the last 3..1 tokens; none while 4+ requests run\n"
 
 
 # -- the scheduler, with a stand-in model ---------------------------------------------------------
@@ -159,6 +165,18 @@ def test_scheduler_counts_drafts_and_never_caches_a_block_of_drafts():
     # of its full blocks of real tokens.
     assert sched.kv.num_cached_blocks["a"] <= req.num_tokens // 2
     assert sched.kv.num_cached_blocks["a"] == len(req.block_hashes)
+    # Kept drafts past a stop token are dropped, and so is their KV from the computed count (what a
+    # KV connector reads as the request's tokens when it ends).
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    b = Request("b", prompt, SamplingParams(max_tokens=8, stop_token_ids=[1]))
+    sched.add_request(b)
+    so = sched.schedule()
+    sched.update_from_output(so, ModelRunnerOutput(["b"], [[3]], [None]))
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens["b"] == [1, 2, 3]
+    [out] = sched.update_from_output(so, ModelRunnerOutput(["b"], [[1, 2, 3, 7]], [None]))
+    assert out.new_token_ids == [1] and out.finish_reason == "stop"
+    assert b.num_computed_tokens == b.num_tokens - 1 == len(prompt) + 1
 
 
 def test_no_drafts_for_penalised_requests_nor_beyond_disable_by_batch_size():
@@ -270,6 +288,29 @@ def test_drafts_under_tensor_parallelism_give_the_one_process_tokens(tiny_llama_
         stats = SpecStats()
         llm.engine.stat_loggers.append(stats)
         assert [o.outputs[0].token_ids for o in generate(llm, prompts, params)] == expected
+    assert stats.accepted > 0
+
+
+def test_a_disaggregated_decoder_with_drafts_gives_one_instances_tokens(tiny_llama_dir):
+    """P/D over Mooncake (in one process): a prefiller without drafts, a decoder with them, a third
+    instance that does both; the decoder's greedy tokens are the single instance's, it kept drafts,
+    and every block is free once the transfers end."""
+    from tests.test_kv_transfer_mooncake import _drain, _llm, _prefill_then_decode
+    prompts = [p for p in repetitive_prompts(512) if len(p) < 64]
+    with _llm(tiny_llama_dir, None) as single, _llm(tiny_llama_dir, "kv_producer") as prefiller, \
+            _llm(tiny_llama_dir, "kv_consumer", speculative_config=NGRAM) as decoder:
+        stats = SpecStats()
+        decoder.engine.stat_loggers.append(stats)
+        for prompt in prompts:
+            want = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=24))
+            got = _prefill_then_decode(prefiller, decoder, prompt, 24)
+            assert got.outputs[0].token_ids == want[0].outputs[0].token_ids
+            assert got.num_cached_tokens == len(prompt) - 1
+        _drain(prefiller)
+        _drain(decoder)
+        for llm in (prefiller, decoder):
+            llm.engine.core.check_integrity()
+            assert llm.engine.core.scheduler.kv.usage() == 0.0
     assert stats.accepted > 0
 
 

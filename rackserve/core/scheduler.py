@@ -268,6 +268,8 @@ class Scheduler:
                 new_tokens.append(token_id)
                 if request.check_stop(self.max_model_len):
                     break
+            if drafts:   # kept drafts past a stop are not the request's: neither is their KV
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             kv_transfer_params = None
             if request.finished:
                 self.running.remove(request)

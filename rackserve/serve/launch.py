@@ -112,6 +112,16 @@ def kv_groups_line(engine: AsyncEngine) -> str:
     return "" if kv_config is None else f"  KV cache groups: {describe(kv_config)}\n"
 
 
+def speculative_line(config) -> str:
+    """The startup banner's line on speculative decoding, when it is on."""
+    spec = config.speculative
+    if spec is None:
+        return ""
+    off = "" if spec.disable_by_batch_size is None else f"; none while {spec.disable_by_batch_size}+ requests run"
+    return (f"  speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafts a step from the last "
+            f"{spec.prompt_lookup_max}..{spec.prompt_lookup_min} tokens{off}\n")
+
+
 def kv_cache_line(config) -> str:
     """The startup banner's line on a CPU KV cache of another dtype than the model's: whether the
     native attention kernels read it (float16 and the 8-bit floats; bfloat16 in decode only) or the
@@ -144,7 +154,7 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
               + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})"
                  + (f"; activations {m.packed_activations}" if m.packed_activations != "two-part" else "") + "\n"
                  if m.quantization == "gguf" else "") +
-              f"{kv_groups_line(engine)}{kv_cache_line(engine.config)}"
+              f"{kv_groups_line(engine)}{kv_cache_line(engine.config)}{speculative_line(engine.config)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
               flush=True)
     died = None
