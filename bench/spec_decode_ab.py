@@ -6,9 +6,12 @@ from outputs that repeat their context to outputs that do not), one request at a
 at once, in rounds whose engine order rotates (this VM's speed moves between minutes). Per task and
 engine: decode tokens/s (output tokens over the time after the first token), its ratio to the engine
 without drafts in the same round, the drafts' acceptance (kept / computed) and whether the greedy
-tokens equal the engine without drafts'. Writes them as JSON.
+tokens equal the engine without drafts'. With --peer hf, transformers' own prompt lookup
+(`generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)` with the first --spec's K and N, the
+same chat ids, its best dtype here) and its plain greedy decode run the single tasks in each round for
+as many tokens as the engine without drafts gave: the engine's ratios to its peer. Writes them as JSON.
 
-    python bench/spec_decode_ab.py --rounds 3 --output bench/results/spec-decode-smollm2.json
+    python bench/spec_decode_ab.py --rounds 3 --peer hf --output bench/results/spec-decode-smollm2.json
 """
 from __future__ import annotations
 
@@ -70,11 +73,30 @@ def timed(llm: LLM, counts: Counts, prompts: dict[str, str], max_tokens: int) ->
     return out
 
 
+def hf_timed(model, ids: list[int], tokens: int, lookup: tuple[int, int] | None) -> float:
+    """transformers' decode tokens/s over `tokens` greedy tokens (no EOS) after `ids`: the whole
+    generate's time less a one-token generate's (its prefill and first token)."""
+    import torch
+    import transformers
+
+    def seconds(n: int) -> float:
+        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                                               **({} if lookup is None else {"prompt_lookup_num_tokens": lookup[0],
+                                                                             "max_matching_ngram_size": lookup[1]}))
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+            return time.perf_counter() - start
+    return (tokens - 1) / (seconds(tokens) - seconds(1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", action="append", help="a --speculative-config to compare (repeatable)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--peer", choices=["hf"], help="time transformers' prompt lookup on the single tasks too")
     parser.add_argument("--output")
     args = parser.parse_args()
     specs = args.spec or DEFAULT_SPECS
@@ -89,10 +111,23 @@ def main() -> None:
         timed(llm, counts, {"warmup": "Say hello."}, 16)
         engines[name] = (llm, counts)
     prompts = tasks()
-    rounds = []
+    peer = None
+    if args.peer:
+        from rackserve.bench.hf_peer import best_cpu_dtype, load_hf_model
+        peer, peer_dtype = load_hf_model("smollm2-135m-instruct"), str(best_cpu_dtype()).removeprefix("torch.")
+        tokenizer = engines["none"][0].get_tokenizer()
+        peer_ids = {t: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+                    for t, text in prompts.items()}
+        spec = json.loads(specs[0])
+        lookup = (spec["num_speculative_tokens"], spec.get("prompt_lookup_max") or 5)
+        hf_timed(peer, peer_ids["story"], 8, None)     # warm-up
+    rounds, peer_rounds = [], []
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         rounds.append({name: timed(*engines[name], prompts, args.max_tokens) for name in order})
+        if peer is not None:
+            peer_rounds.append({t: {side: hf_timed(peer, peer_ids[t], rounds[-1]["none"][t]["tokens"], how)
+                                    for side, how in (("plain", None), ("lookup", lookup))} for t in prompts})
         print(f"round {r + 1}: " + ", ".join(
             f"{name[:40]} {sum(t['tokens'] for t in res.values()) / sum(t['decode_seconds'] for t in res.values()):.1f} tok/s"
             for name, res in rounds[-1].items()), flush=True)
@@ -114,10 +149,19 @@ def main() -> None:
             print(f"{task:9s} {name[:60]:60s} {r['median_decode_tok_s']:7.1f} tok/s x{r['median_ratio_to_none']:.2f} "
                   f"acceptance {r['acceptance'] if r['acceptance'] is None else round(r['acceptance'], 3)} "
                   f"same tokens {r['greedy_tokens_equal_none']}")
+            if peer_rounds and task in prompts:
+                hf = [pr[task]["lookup" if name != "none" else "plain"] for pr in peer_rounds]
+                r["hf_decode_tok_s"] = hf
+                r["median_ratio_to_hf"] = statistics.median(a / b for a, b in zip(rates, hf))
+                print(f"{'':9s}   transformers {'prompt lookup' if name != 'none' else 'greedy'} ({peer_dtype}): "
+                      f"{statistics.median(hf):.1f} tok/s; rackserve x{r['median_ratio_to_hf']:.2f}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"command": "python " + " ".join(sys.argv), "bench": "spec_decode_ab", "model": "smollm2-135m-instruct",
                        "max_tokens": args.max_tokens, "load_average_before": load_before, **machine_state(),
+                       "peer": None if peer is None else {"name": "transformers", "dtype": peer_dtype,
+                                                          "prompt_lookup": {"prompt_lookup_num_tokens": lookup[0],
+                                                                            "max_matching_ngram_size": lookup[1]}},
                        "rows": rows}, f, indent=1)
         print(f"wrote {args.output}")
 
