@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rackserve import LLM, SamplingParams  # noqa: E402
 from rackserve.bench.record import machine_state  # noqa: E402
 from rackserve.core.spec_decode import NgramProposer  # noqa: E402
+from rackserve.engine.stats import SpecDecodeCounts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = ['{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
@@ -47,30 +48,26 @@ def tasks() -> dict[str, str]:
     }
 
 
-class Counts:
-    """A stat logger that adds up the drafts computed and kept."""
-    def __init__(self):
-        self.drafts = self.accepted = 0
-
-    def record(self, sched_stats, iter_stats):
-        self.drafts += sched_stats.num_draft_tokens
-        self.accepted += sched_stats.num_accepted_tokens
-
-
-def timed(llm: LLM, counts: Counts, prompts: dict[str, str], max_tokens: int) -> dict[str, dict]:
+def timed(llm: LLM, counts: SpecDecodeCounts, prompts: dict[str, str], max_tokens: int) -> dict[str, dict]:
     """Each task alone, then all at once ("together"): tokens, decode seconds, drafts computed and kept."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out = {}
     for name, text in [*((n, [t]) for n, t in prompts.items()), ("together", list(prompts.values()))]:
-        d0, a0 = counts.drafts, counts.accepted
+        d0, a0 = counts.num_draft_tokens, counts.num_accepted_tokens
         start = time.perf_counter()
         outs = llm.chat([[{"role": "user", "content": t}] for t in text], params)
         seconds = time.perf_counter() - start
         ids = [o.outputs[0].token_ids for o in outs]
         ttft = max(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
         out[name] = {"tokens": sum(map(len, ids)), "seconds": seconds, "decode_seconds": seconds - ttft,
-                     "draft_tokens": counts.drafts - d0, "accepted_tokens": counts.accepted - a0, "token_ids": ids}
+                     "draft_tokens": counts.num_draft_tokens - d0, "accepted_tokens": counts.num_accepted_tokens - a0,
+                     "token_ids": ids}
     return out
+
+
+def rate(runs: list[dict]) -> float:
+    """Decode tokens/s of timed runs together."""
+    return sum(r["tokens"] for r in runs) / sum(r["decode_seconds"] for r in runs)
 
 
 def hf_timed(model, ids: list[int], tokens: int, lookup: tuple[int, int] | None) -> float:
@@ -106,7 +103,7 @@ def main() -> None:
     for name in names:
         llm = LLM(model="smollm2-135m-instruct", kv_cache_memory=0.5, max_model_len=4096,
                   speculative_config=None if name == "none" else json.loads(name))
-        counts = Counts()
+        counts = SpecDecodeCounts()
         llm.engine.stat_loggers.append(counts)
         timed(llm, counts, {"warmup": "Say hello."}, 16)
         engines[name] = (llm, counts)
@@ -129,20 +126,21 @@ def main() -> None:
             peer_rounds.append({t: {side: hf_timed(peer, peer_ids[t], rounds[-1]["none"][t]["tokens"], how)
                                     for side, how in (("plain", None), ("lookup", lookup))} for t in prompts})
         print(f"round {r + 1}: " + ", ".join(
-            f"{name[:40]} {sum(t['tokens'] for t in res.values()) / sum(t['decode_seconds'] for t in res.values()):.1f} tok/s"
+            f"{name[:40]} {rate(list(res.values())):.1f} tok/s"
             for name, res in rounds[-1].items()), flush=True)
     rows = []
     for task in [*prompts, "together"]:
         for name in names:
             runs = [rd[name][task] for rd in rounds]
-            rates = [x["tokens"] / x["decode_seconds"] for x in runs]
-            ratios = [x["tokens"] / x["decode_seconds"] / (rd["none"][task]["tokens"] / rd["none"][task]["decode_seconds"])
-                      for x, rd in zip(runs, rounds)]
+            rates = [rate([x]) for x in runs]
+            ratios = [rate([x]) / rate([rd["none"][task]]) for x, rd in zip(runs, rounds)]
             drafts, kept = sum(x["draft_tokens"] for x in runs), sum(x["accepted_tokens"] for x in runs)
             rows.append({"task": task, "speculative_config": None if name == "none" else json.loads(name),
-                         "tokens": runs[0]["tokens"], "decode_tok_s": rates, "median_decode_tok_s": statistics.median(rates),
+                         "tokens": runs[0]["tokens"], "decode_tok_s": rates,
+                         "median_decode_tok_s": statistics.median(rates),
                          "ratio_to_none": ratios, "median_ratio_to_none": statistics.median(ratios),
-                         "acceptance": kept / drafts if drafts else None, "draft_tokens": drafts, "accepted_tokens": kept,
+                         "acceptance": kept / drafts if drafts else None, "draft_tokens": drafts,
+                         "accepted_tokens": kept,
                          "greedy_tokens_equal_none": all(x["token_ids"] == rd["none"][task]["token_ids"]
                                                          for x, rd in zip(runs, rounds))})
             r = rows[-1]
@@ -157,7 +155,8 @@ def main() -> None:
                       f"{statistics.median(hf):.1f} tok/s; rackserve x{r['median_ratio_to_hf']:.2f}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "bench": "spec_decode_ab", "model": "smollm2-135m-instruct",
+            json.dump({"command": "python " + " ".join(sys.argv), "bench": "spec_decode_ab",
+                       "model": "smollm2-135m-instruct",
                        "max_tokens": args.max_tokens, "load_average_before": load_before, **machine_state(),
                        "peer": None if peer is None else {"name": "transformers", "dtype": peer_dtype,
                                                           "prompt_lookup": {"prompt_lookup_num_tokens": lookup[0],

@@ -29,6 +29,15 @@ def _drain(llm: LLM, timeout: float = 10.0) -> None:
         llm.engine.step()
 
 
+def _drain_to_empty(*llms: LLM) -> None:
+    """Step each until its transfers ended; then every block is free and accounted for."""
+    for llm in llms:
+        _drain(llm)
+    for llm in llms:
+        llm.engine.core.check_integrity()
+        assert llm.engine.core.scheduler.kv.usage() == 0.0
+
+
 def _prefill_then_decode(prefiller: LLM, decoder: LLM, prompt: list[int], max_tokens: int, n: int = 1):
     [pre] = prefiller.generate({"prompt_token_ids": prompt}, SamplingParams(
         temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
@@ -69,11 +78,7 @@ def test_deepseek_v4_moves_every_cache_group_and_decodes_like_one_instance(tiny_
                 temperature=0.0, max_tokens=6, ignore_eos=True, kv_transfer_params=params))
             assert got.outputs[0].token_ids == want.outputs[0].token_ids, k
             assert got.num_cached_tokens == len(prompt) - 1
-        _drain(prefiller)
-        _drain(decoder)
-        for llm in (prefiller, decoder):
-            llm.engine.core.check_integrity()
-            assert llm.engine.core.scheduler.kv.usage() == 0.0
+        _drain_to_empty(prefiller, decoder)
 
 
 @pytest.mark.parametrize("model_fixture,kv_cache_dtype", [("tiny_llama_dir", "auto"), ("tiny_deepseek_v3_dir", "auto"),

@@ -20,6 +20,7 @@ from rackserve.core.outputs import ModelRunnerOutput
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.scheduler import Scheduler
 from rackserve.core.spec_decode import NgramProposer
+from rackserve.engine.stats import SpecDecodeCounts
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, hf_greedy
 from tests.tiny_models import TINY_KV_CACHE_GIB
 
@@ -73,7 +74,8 @@ def test_the_startup_banner_says_how_it_drafts():
     from rackserve.serve.launch import speculative_line
 
     def line(spec):
-        return speculative_line(EngineArgs(model="smollm2-135m-instruct", speculative_config=spec).create_engine_config())
+        config = EngineArgs(model="smollm2-135m-instruct", speculative_config=spec).create_engine_config()
+        return speculative_line(config)
     assert line(None) == ""
     assert line({**NGRAM, "disable_by_batch_size": 4}) == \
         "  speculative decoding: ngram, up to 3 drafts a step from the last 3..1 tokens; none while 4+ requests run\n"
@@ -201,15 +203,6 @@ def test_no_drafts_for_penalised_requests_nor_beyond_disable_by_batch_size():
 
 
 # -- engines on tiny models ----------------------------------------------------------------------
-class SpecStats:
-    def __init__(self):
-        self.drafts = self.accepted = 0
-
-    def record(self, sched_stats, iter_stats):
-        self.drafts += sched_stats.num_draft_tokens
-        self.accepted += sched_stats.num_accepted_tokens
-
-
 def repetitive_prompts(vocab: int) -> list[list[int]]:
     """Prompts whose second half repeats their first (drafts found from the start) and a few plain ones."""
     g = torch.Generator().manual_seed(1)
@@ -233,7 +226,7 @@ def generate(llm, prompts, params):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_tokens_with_drafts_match_transformers(spec_case, setting):
     model_dir, prompts, expected = spec_case
-    stats = SpecStats()
+    stats = SpecDecodeCounts()
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     with LLM(model_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB,
              speculative_config=NGRAM, **SETTINGS[setting]) as llm:
@@ -241,7 +234,7 @@ def test_greedy_tokens_with_drafts_match_transformers(spec_case, setting):
         assert [o.outputs[0].token_ids for o in generate(llm, prompts, params)] == expected
         # Again, over prefix hits: a draft's KV in a cached block would change tokens here.
         assert [o.outputs[0].token_ids for o in generate(llm, prompts, params)] == expected
-    assert stats.drafts > 0 and 0 < stats.accepted <= stats.drafts
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
 def test_seeded_sampling_logprobs_and_stops_are_those_of_decoding_without_drafts(tiny_llama_dir):
@@ -249,7 +242,7 @@ def test_seeded_sampling_logprobs_and_stops_are_those_of_decoding_without_drafts
     seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=NUM_TOKENS, ignore_eos=True,
                              logprobs=3) for i in range(len(prompts))]
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    runs, stats = {}, SpecStats()
+    runs, stats = {}, SpecDecodeCounts()
     for spec in (None, NGRAM):
         with LLM(tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=TINY_KV_CACHE_GIB,
                  speculative_config=spec) as llm:
@@ -264,7 +257,7 @@ def test_seeded_sampling_logprobs_and_stops_are_those_of_decoding_without_drafts
             short = generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
             runs[spec is None] = (sampled, stopped, short)
     (s_spec, stop_spec, short_spec), (s_plain, stop_plain, short_plain) = runs[False], runs[True]
-    assert stats.drafts > 0 and stats.accepted > 0
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     for a, b in zip(s_spec, s_plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
@@ -285,33 +278,29 @@ def test_drafts_under_tensor_parallelism_give_the_one_process_tokens(tiny_llama_
     expected = hf_greedy(tiny_llama_dir, prompts)
     with LLM(tiny_llama_dir, dtype="float32", device="cpu", tensor_parallel_size=2, num_gpu_blocks_override=64,
              speculative_config=NGRAM) as llm:
-        stats = SpecStats()
+        stats = SpecDecodeCounts()
         llm.engine.stat_loggers.append(stats)
         assert [o.outputs[0].token_ids for o in generate(llm, prompts, params)] == expected
-    assert stats.accepted > 0
+    assert stats.num_accepted_tokens > 0
 
 
 def test_a_disaggregated_decoder_with_drafts_gives_one_instances_tokens(tiny_llama_dir):
     """P/D over Mooncake (in one process): a prefiller without drafts, a decoder with them, a third
     instance that does both; the decoder's greedy tokens are the single instance's, it kept drafts,
     and every block is free once the transfers end."""
-    from tests.test_kv_transfer_mooncake import _drain, _llm, _prefill_then_decode
+    from tests.test_kv_transfer_mooncake import _drain_to_empty, _llm, _prefill_then_decode
     prompts = [p for p in repetitive_prompts(512) if len(p) < 64]
     with _llm(tiny_llama_dir, None) as single, _llm(tiny_llama_dir, "kv_producer") as prefiller, \
             _llm(tiny_llama_dir, "kv_consumer", speculative_config=NGRAM) as decoder:
-        stats = SpecStats()
+        stats = SpecDecodeCounts()
         decoder.engine.stat_loggers.append(stats)
         for prompt in prompts:
             want = single.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=24))
             got = _prefill_then_decode(prefiller, decoder, prompt, 24)
             assert got.outputs[0].token_ids == want[0].outputs[0].token_ids
             assert got.num_cached_tokens == len(prompt) - 1
-        _drain(prefiller)
-        _drain(decoder)
-        for llm in (prefiller, decoder):
-            llm.engine.core.check_integrity()
-            assert llm.engine.core.scheduler.kv.usage() == 0.0
-    assert stats.accepted > 0
+        _drain_to_empty(prefiller, decoder)
+    assert stats.num_accepted_tokens > 0
 
 
 def test_a_model_with_several_kinds_of_kv_cache_refuses_drafts(tiny_deepseek_v4_kv_dir):

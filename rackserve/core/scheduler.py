@@ -232,8 +232,8 @@ class Scheduler:
         output = SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                  total_num_scheduled_tokens=sum(num_scheduled.values()),
                                  finished_req_ids=self._drop_from_workers,
-                                 kv_connector_metadata=self.connector.build_connector_meta() if self.connector else None,
-                                 scheduled_spec_decode_tokens=spec_tokens)
+                                 kv_connector_metadata=self.connector.build_connector_meta() if self.connector
+                                 else None, scheduled_spec_decode_tokens=spec_tokens)
         self._drop_from_workers = set()
         return output
 

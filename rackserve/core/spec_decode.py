@@ -24,7 +24,8 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.max_n = config.prompt_lookup_max
         self.min_n = config.prompt_lookup_min
-        self._index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}   # req id -> (positions by token, [indexed])
+        # req id -> (its positions by token, [how many of its tokens are indexed])
+        self._index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
 
     def propose(self, req_id: str, tokens: list[int], max_drafts: int) -> list[int]:
         """Up to min(k, max_drafts) draft tokens to follow `tokens` (the request's prompt and

@@ -33,3 +33,21 @@ class StatLogger(ABC):
     @abstractmethod
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Called from the engine's step loop after every step; must be quick and never raise."""
+
+
+class SpecDecodeCounts(StatLogger):
+    """Speculative decoding's drafts added up from step to step (what /metrics counts as
+    spec_decode_*): `llm.engine.stat_loggers.append(counts)`, then `counts.acceptance`."""
+
+    def __init__(self):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.num_drafts += scheduler_stats.num_drafts
+        self.num_draft_tokens += scheduler_stats.num_draft_tokens
+        self.num_accepted_tokens += scheduler_stats.num_accepted_tokens
+
+    @property
+    def acceptance(self) -> float | None:
+        """Kept drafts over computed ones; None before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
