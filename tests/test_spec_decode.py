@@ -147,6 +147,7 @@ def test_scheduler_drafts_give_the_tokens_of_one_at_a_time(num_blocks, budget):
     assert spec == plain
     assert all(len(spec[f"r{i}"]) == 12 + 5 * i for i in range(5))     # max_tokens, never past it
     assert sched.kv.usage() == 0.0
+    assert (sched.make_stats().num_preemptions > 0) == (num_blocks == 14)
 
 
 def test_scheduler_counts_drafts_and_never_caches_a_block_of_drafts():
