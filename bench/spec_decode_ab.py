@@ -74,12 +74,12 @@ def hf_timed(model, ids: list[int], tokens: int, lookup: tuple[int, int] | None)
     """transformers' decode tokens/s over `tokens` greedy tokens (no EOS) after `ids`: the whole
     generate's time less a one-token generate's (its prefill and first token)."""
     import torch
-    import transformers
+
+    from rackserve.bench.hf_peer import no_eos_config
 
     def seconds(n: int) -> float:
-        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
-                                               **({} if lookup is None else {"prompt_lookup_num_tokens": lookup[0],
-                                                                             "max_matching_ngram_size": lookup[1]}))
+        config = no_eos_config(n, **({} if lookup is None else {"prompt_lookup_num_tokens": lookup[0],
+                                                                "max_matching_ngram_size": lookup[1]}))
         x = torch.tensor([ids])
         with torch.inference_mode():
             start = time.perf_counter()

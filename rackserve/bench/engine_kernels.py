@@ -14,7 +14,7 @@ This file must never time anything nor choose a kernel (config.py and quant/kern
 """
 from __future__ import annotations
 
-from rackserve.config import ModelConfig
+from rackserve.config import KV_CACHE_DTYPE_NAMES, ModelConfig
 
 
 def _own_attention_backend(model_config: ModelConfig) -> bool:
@@ -43,8 +43,8 @@ def engine_kernels(model_config: ModelConfig, kv_cache_dtype: str | None = None)
     # only the avx512 one.
     isa = resolve_native_isa(model_config.native_isa, model_config.device).isa
     native = (model_config.device == "cpu" and model_config.dtype in ("float32", "bfloat16")
-              and (kv_cache_dtype or model_config.dtype) in ("float32", "float16", "bfloat16", "float8_e4m3fn",
-                                                             "float8_e5m2")
+              and (kv_cache_dtype or model_config.dtype) in ("float32", "float16", "bfloat16",
+                                                             *KV_CACHE_DTYPE_NAMES.values())
               and isa != "none" and unavailable_reason(isa=isa) is None
               and not _own_attention_backend(model_config))
     return {"quant_kernel": kernel, "dense_above_rows": dense_above, "native_decode_attention": native}

@@ -52,11 +52,12 @@ class _TokenTimes:
         pass
 
 
-def _no_eos_config(max_new_tokens: int):
+def no_eos_config(max_new_tokens: int, **options):
+    """Greedy, no EOS and no stop criteria but length: the peer generates exactly what rackserve
+    does. `options`: more GenerationConfig fields (e.g. its prompt lookup's)."""
     import transformers
-    # No EOS and no stop criteria but length: the peer generates exactly what rackserve does.
     return transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
-                                         pad_token_id=0)
+                                         pad_token_id=0, **options)
 
 
 def hf_stream_timing(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[float, float]:
@@ -66,7 +67,7 @@ def hf_stream_timing(model, prompt_ids: list[int], max_new_tokens: int) -> tuple
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids])
         # An explicit mask, or generate() masks out prompt tokens equal to the pad id.
-        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_no_eos_config(max_new_tokens),
+        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=no_eos_config(max_new_tokens),
                        streamer=streamer)
     times = streamer.times
     return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
@@ -86,5 +87,5 @@ def hf_batched_generate_seconds(model, requests: list[tuple[list[int], int]], ba
                 ids[row, width - len(prompt):] = torch.tensor(prompt)
                 mask[row, width - len(prompt):] = 1
             out_len = max(o for _, o in batch)
-            model.generate(ids, attention_mask=mask, generation_config=_no_eos_config(out_len))
+            model.generate(ids, attention_mask=mask, generation_config=no_eos_config(out_len))
     return time.perf_counter() - t0
