@@ -190,7 +190,10 @@ class SpeculativeConfig:
     """Speculative decoding, vLLM's `--speculative-config` keys. method "ngram" (prompt lookup):
     each step a decoding request proposes the up to num_speculative_tokens tokens that followed the
     latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min,
-    the longest found), and one forward pass checks them all (core/spec_decode.py)."""
+    the longest found), and one forward pass checks them all (core/spec_decode.py).
+    method "mtp": the executor drafts them (each step's output carries every sampling request's
+    drafts for its next step, as vLLM's MTP and EAGLE drafters do); only the simulator's executor
+    drafts today, so the user-facing parse (`from_json`) refuses it."""
     method: str = "ngram"
     num_speculative_tokens: int = 0     # 0: no speculative decoding
     prompt_lookup_max: int | None = None   # vLLM's defaults: both 5 when neither is given, else each
@@ -211,7 +214,9 @@ class SpeculativeConfig:
         _require(isinstance(raw, dict) and not set(raw) - known,
                  f"--speculative-config takes a JSON object with keys among {sorted(known)}")
         _require(raw.get("method", "ngram") == "ngram",
-                 f"speculative method {raw.get('method')!r}: rackserve proposes with 'ngram' (prompt lookup) only")
+                 f"speculative method {raw.get('method')!r}: rackserve proposes with 'ngram' (prompt lookup) only "
+                 "(its model runners draft no MTP tokens; `rackserve sim --num-speculative-tokens K "
+                 "--acceptance-rate A` simulates MTP)")
         config = cls(**raw)
         k, hi, lo = config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
         _require(isinstance(k, int) and k > 0, "--speculative-config needs num_speculative_tokens > 0")

@@ -183,3 +183,25 @@ def test_a_router_policy_change_shows_in_the_projection(tmp_path):
         assert rc == 0
         rates[policy] = json.loads(out.read_text())["runs"][0]["summary"]["hit_rate"]
     assert rates["kv"] > rates["round_robin"] + 0.1
+
+
+def test_mtp_drafts_in_a_closed_loop_run(tmp_path):
+    """`--num-speculative-tokens 3 --acceptance-rate 0.8` under P/D: the decode pool's steps verify
+    drafts (2.95 tokens kept a verifying step: 1 + 0.8 + 0.8^2 + 0.8^3), the prefill pool drafts
+    none, and every request still gets exactly its output tokens; a rate outside [0, 1] is refused."""
+    args = ["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable-expert-parallel",
+            "--prefill", "1", "--decode", "1", "--data-parallel-size", "2", "--block-size", "64",
+            "--kv-cache-memory", "1", "--max-model-len", "32768", "--max-num-batched-tokens", "4096",
+            "--scale", "0.05", "--concurrency", "8", "--duration", "5"]
+    out = tmp_path / "mtp.json"
+    assert main([*args, "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
+    spec = run["sim"]["spec_decode"]
+    assert spec["draft_tokens"] <= 3 * spec["drafts"] and spec["mean_acceptance_length"] == pytest.approx(2.95, abs=0.2)
+    assert result["sim"]["num_speculative_tokens"] == 3 and result["sim"]["prefill"]["num_speculative_tokens"] == 0
+    measured = [r for r in run["requests"] if r["kind"] != "warmup"]
+    assert measured and all(r["output_tokens"] == r["max_tokens"] for r in measured)
+    assert main([*args, "--output", str(tmp_path / "plain.json")]) == 0
+    assert json.loads((tmp_path / "plain.json").read_text())["runs"][0]["sim"]["spec_decode"] is None
+    assert main([*args, "--num-speculative-tokens", "3", "--acceptance-rate", "1.5"]) == 2

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from rackserve.config import EngineArgs
+import pytest
+
+from rackserve.config import EngineArgs, SpeculativeConfig
 from rackserve.core.outputs import SchedulerOutput
 from rackserve.core.request import Request
 from rackserve.engine.core import EngineCore
@@ -127,14 +129,94 @@ def test_sim_executor_comes_from_the_registry(tiny_llama_dir):
     assert len(tokens) == 5 and all(0 <= t < 512 for t in tokens)
 
 
-def test_speculative_tokens_arrive_several_per_step(tiny_llama_dir):
-    config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
-    executor = SimExecutor(config, num_speculative_tokens=3, acceptance_rate=0.8)
+class _Priced:
+    """A pricer that keeps every step's priced work."""
+
+    def __init__(self):
+        self.batches: list[list[list[SeqWork]]] = []
+
+    def step(self, batches):
+        self.batches.append(batches)
+        return StepCost(1e-3, [])
+
+
+def test_mtp_drafts_follow_the_engines_draft_contract(tiny_llama_dir):
+    """Speculative method "mtp" on the simulator: every sampled token comes with k drafts, the
+    scheduler schedules them at the request's next decode (1 + k rows, priced as such), the step
+    keeps each with the acceptance rate plus one token of its own, and the rejected ones are taken
+    back from both the scheduler's and the executor's computed tokens."""
+    k, a = 3, 0.8
+    config = dataclasses.replace(EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=256).create_engine_config(),
+                                 speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=k))
+    pricer = _Priced()
+    executor = SimExecutor(config, pricer=pricer, acceptance_rate=a)
     core = EngineCore(config, executor)
-    core.add_requests([Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True))])
-    steps = tokens = 0
+    core.add_requests([Request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=300, ignore_eos=True))
+                       for i in range(4)])
+    sent: dict[str, list[int]] = {}
+    verify_tokens, drafted, accepted, outputs_per_req = [], 0, 0, {f"r{i}": 0 for i in range(4)}
     while core.has_unfinished_requests():
-        outputs, _ = core.step()
-        steps += 1
-        tokens += sum(len(o.new_token_ids) for o in outputs)
-    assert tokens == 40 and steps < 30
+        so = core.scheduler.schedule()
+        out = executor.execute_dp([so])[0]
+        for req_id, n in so.num_scheduled_tokens.items():
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            if req_id in sent:     # a decode: the drafts sent with its last token, as many as may still be output
+                assert drafts == sent[req_id][:len(drafts)]
+                assert len(drafts) == min(k, 300 - outputs_per_req[req_id] - 1)
+                assert n == 1 + len(drafts)
+        assert [(w.new_tokens, w.drafts) for w in pricer.batches[-1][0]] == \
+            [(n, len(so.scheduled_spec_decode_tokens.get(r, []))) for r, n in so.num_scheduled_tokens.items()]
+        for req_id, tokens, drafts in zip(out.req_ids, out.sampled_token_ids, out.draft_token_ids):
+            assert len(drafts) == k
+            scheduled = so.scheduled_spec_decode_tokens.get(req_id, [])
+            assert tokens[:-1] == scheduled[:len(tokens) - 1] and len(tokens) <= len(scheduled) + 1
+            if scheduled:
+                verify_tokens.append(len(tokens))
+            sent[req_id] = drafts
+            outputs_per_req[req_id] += len(tokens)
+        core.scheduler.update_from_output(so, out)
+        for req_id, state in executor._reqs[0].items():
+            request = core.scheduler.requests.get(req_id)
+            if request is not None:
+                assert state.num_computed == request.num_computed_tokens
+                assert state.num_tokens == request.num_tokens
+    assert outputs_per_req == {f"r{i}": 300 for i in range(4)}
+    mean = sum(verify_tokens) / len(verify_tokens)
+    assert mean == pytest.approx(sum(a ** i for i in range(k + 1)), abs=0.15)   # 2.95
+    stats = core.scheduler.make_stats()
+    assert stats.num_drafts == len(verify_tokens) and stats.num_accepted_tokens == sum(verify_tokens) - len(verify_tokens)
+    core.check_integrity()
+
+
+def test_mtp_steps_without_room_for_drafts_compute_one_row(tiny_llama_dir):
+    """Drafts only where the budget allows: a budget of one token a request (16 one-token prompts,
+    admitted together, decoding together) leaves none, and the run then matches the one without
+    MTP step for step."""
+    def run(speculative):
+        config = dataclasses.replace(EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64,
+                                                max_num_batched_tokens=16, max_num_seqs=16,
+                                                ).create_engine_config(), speculative=speculative)
+        executor = SimExecutor(config, pricer=_Priced(), acceptance_rate=1.0)
+        core = EngineCore(config, executor)
+        core.add_requests([Request(f"r{i}", [4 + i], SamplingParams(max_tokens=10, ignore_eos=True))
+                           for i in range(16)])
+        steps = 0
+        while core.has_unfinished_requests():
+            core.step()
+            steps += 1
+        return steps, [[[tuple(w) for w in b] for b in batches] for batches in executor.pricer.batches]
+
+    plain = run(None)
+    drafted = run(SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    assert drafted == plain
+
+
+def test_mtp_needs_an_executor_that_drafts(tiny_llama_dir):
+    config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
+    mtp = dataclasses.replace(config, speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="needs an executor that drafts"):
+        EngineCore(mtp)
+    with pytest.raises(ValueError, match="rackserve sim --num-speculative-tokens"):
+        SpeculativeConfig.from_json('{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(ValueError, match="drafts as MTP does"):
+        SimExecutor(dataclasses.replace(config, speculative=SpeculativeConfig(num_speculative_tokens=2)))

@@ -113,29 +113,32 @@ def test_the_long_prefill_cap_reaches_both_pools_schedulers():
 
 
 def test_a_closed_loop_step_pays_its_mtp_draft_passes(tiny_llama_dir):
-    """`rackserve sim --num-speculative-tokens k`: every step that samples is followed by k draft
-    passes over its sampling sequences (sim/mtp.py), which the virtual clock pays; none without k."""
-    from rackserve.config import EngineArgs
+    """`rackserve sim --num-speculative-tokens k`: a decode verifies its drafts as rows of their own
+    (the LM head on every row), and every step that samples is followed by k draft passes over its
+    sampling sequences (sim/mtp.py), which the virtual clock pays."""
+    from rackserve.config import EngineArgs, SpeculativeConfig
     from rackserve.core.request import Request
     from rackserve.engine.core import EngineCore
     from rackserve.sampling_params import SamplingParams
     from rackserve.sim.executor import SimExecutor
     import dataclasses
     spec = dataclasses.replace(load_model_spec("deepseek-v4.1-flash"), max_model_len=1024)
-    config = EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config()
-
-    def step_times(k: int) -> list[float]:
-        executor = SimExecutor(config, CostModel(spec, GB300), spec, num_speculative_tokens=k, acceptance_rate=0.0)
-        core = EngineCore(config, executor)
-        core.add_requests([Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True))])
-        times = []
-        while core.has_unfinished_requests():
-            core.step()
-            times.append(executor.last_step_seconds)
-        return times
-
-    plain, drafted = step_times(0), step_times(3)
-    assert len(plain) == len(drafted) == 3          # nothing accepted: the same three steps
+    k, max_tokens = 3, 8
+    config = dataclasses.replace(EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=64).create_engine_config(),
+                                 speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=k))
+    executor = SimExecutor(config, CostModel(spec, GB300), spec, acceptance_rate=0.0)
+    core = EngineCore(config, executor)
+    core.add_requests([Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, ignore_eos=True))])
+    times = []
+    while core.has_unfinished_requests():
+        core.step()
+        times.append(executor.last_step_seconds)
+    assert len(times) == max_tokens      # nothing accepted: one token a step
     model = CostModel(spec, GB300)
-    for i, (a, b) in enumerate(zip(plain, drafted)):   # the prompt's step, then two decodes
-        assert b - a == pytest.approx(draft_seconds(model, [[SeqWork(1, 4 + i)]], 3), rel=1e-6)
+    for i, seconds in enumerate(times):   # the prompt's step, then decodes with all the drafts that may be output
+        drafts = min(k, max_tokens - i - 1) if i else 0
+        work = SeqWork(4, 0, True) if i == 0 else SeqWork(1 + drafts, 3 + i, True, drafts)
+        expected = model.step([[work]]).seconds + draft_seconds(model, [[work]], k)
+        assert seconds == pytest.approx(expected, rel=1e-6)
+    assert model.step([[SeqWork(4, 100, True, 3)]]).ranks[0].dense.flops - \
+        model.step([[SeqWork(4, 100, True, 0)]]).ranks[0].dense.flops == pytest.approx(2 * spec.lm_head_params * 3)

@@ -19,7 +19,7 @@ from rackserve.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig
 from rackserve.core.outputs import ModelRunnerOutput
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.scheduler import Scheduler
-from rackserve.core.spec_decode import NgramProposer
+from rackserve.core.spec_decode import NgramProposer, RunnerDrafts
 from rackserve.engine.stats import SpecDecodeCounts
 from tests.test_engine_parity import NUM_TOKENS, SETTINGS, hf_greedy
 from tests.tiny_models import TINY_KV_CACHE_GIB
@@ -57,6 +57,22 @@ def test_proposer_index_follows_a_growing_context():
     assert p.propose("a", tokens, 1) == [7]        # the latest "4 5" now
     p.forget("a")
     assert p.propose("a", tokens, 1) == [7]        # rebuilt from the tokens
+
+
+def test_runner_drafts_are_proposed_once_and_only_after_the_tokens_they_follow():
+    """method "mtp": the executor's drafts for a request, cut to k and the room, proposed at its next
+    decode only while its tokens are the ones they were drafted after (never twice, never stale)."""
+    p = RunnerDrafts(SpeculativeConfig(method="mtp", num_speculative_tokens=2))
+    p.take("a", 3, [7, 8, 9])
+    assert p.propose("a", [1, 2, 3], 5) == [7, 8]
+    assert p.propose("a", [1, 2, 3], 5) == []           # used
+    p.take("a", 3, [7, 8, 9])
+    assert p.propose("a", [1, 2, 3, 4], 5) == []        # drafted after other tokens
+    p.take("a", 3, [7, 8, 9])
+    assert p.propose("a", [1, 2, 3], 1) == [7]
+    p.take("a", 3, [7, 8])
+    p.forget("a")
+    assert p.propose("a", [1, 2, 3], 5) == []
 
 
 def test_speculative_config_follows_vllms_defaults_and_refuses_what_it_cannot_do():

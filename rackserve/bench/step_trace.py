@@ -67,8 +67,8 @@ def trace(args: argparse.Namespace, levels: list[int]) -> dict:
     "steps" (the trace) and its timings are the real steps'."""
     from rackserve.sim.cli import simulate
     if args.instances != 1 or args.prefill or args.decode or args.data_parallel_size != 1 \
-            or args.tensor_parallel_size != 1 or args.kv_pool_memory:
-        raise ValueError("a step trace runs one instance of one rank (no P/D, DP, TP or KV pool)")
+            or args.tensor_parallel_size != 1 or args.kv_pool_memory or args.num_speculative_tokens:
+        raise ValueError("a step trace runs one instance of one rank (no P/D, DP, TP, KV pool or MTP drafts)")
     engine_args = EngineArgs(model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,

@@ -93,6 +93,9 @@ class ModelRunnerOutput:
     # scheduler ends each with an error; the rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)
     kv_connector_output: Any = None     # KVConnectorOutput: transfers that ended (kv_transfer/)
+    # With a drafting executor (`"method": "mtp"`): per request of req_ids, the tokens it drafts to
+    # follow this step's tokens, proposed at its next decode (core/spec_decode.RunnerDrafts).
+    draft_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [])

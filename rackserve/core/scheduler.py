@@ -8,7 +8,8 @@ most recently admitted running request is preempted by recompute: its blocks are
 ones stay in the prefix cache) and it waits again at the front of the queue.
 
 With --speculative-config, a decoding request computes its last token and the draft tokens the
-proposer (core/spec_decode.py) gives it, as far as the budget leaves room; the drafts the runner
+proposer (core/spec_decode.py: prompt lookup, or the drafts the executor sent with the request's last
+step) gives it, as far as the budget leaves room; the drafts the runner
 rejects are taken back from its computed tokens when the step's output arrives (their KV slots are
 written over by the next step), and no draft ever enters the prefix cache (blocks are cached only
 as far as the request's own tokens).
@@ -34,7 +35,7 @@ from rackserve.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRu
 from rackserve.core.request import Request, RequestStatus
 from rackserve.core.stats import SchedulerStats, sum_expert_token_counts
 from rackserve.core.remote_kv import RemoteKV
-from rackserve.core.spec_decode import NgramProposer
+from rackserve.core.spec_decode import NgramProposer, RunnerDrafts
 from rackserve.kv_transfer.base import create_kv_connector_scheduler
 
 
@@ -75,7 +76,9 @@ class Scheduler:
         self.connector = create_kv_connector_scheduler(config, dp_rank, kv_cache_config)
         self.remote = None if self.connector is None else \
             RemoteKV(self.connector, self.kv, config.kv_transfer.kv_load_failure_policy)
-        self.proposer = None if config.speculative is None else NgramProposer(config.speculative)
+        spec = config.speculative
+        self.proposer = None if spec is None else \
+            RunnerDrafts(spec) if spec.method == "mtp" else NgramProposer(spec)
         self.spec_max_running = config.speculative and config.speculative.disable_by_batch_size
         if self.proposer is not None and kv_cache_config is not None:
             raise ValueError("--speculative-config with a model of several kinds of KV cache (a sliding window, "
@@ -251,8 +254,9 @@ class Scheduler:
             self._fail(req_id, reason)
         outputs += self._failed
         self._failed = []
-        for req_id, token_ids, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
-                                                runner_output.logprobs):
+        runner_drafts = runner_output.draft_token_ids or [None] * len(runner_output.req_ids)
+        for req_id, token_ids, logprobs, next_drafts in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                                             runner_output.logprobs, runner_drafts):
             request = self.requests.get(req_id)
             if request is None or request.finished:
                 continue   # finished from outside while the step ran
@@ -274,6 +278,8 @@ class Scheduler:
             if request.finished:
                 self.running.remove(request)
                 kv_transfer_params = self._release(request)
+            elif next_drafts and isinstance(self.proposer, RunnerDrafts):
+                self.proposer.take(req_id, request.num_tokens, next_drafts)
             outputs.append(EngineCoreOutput(
                 req_id, new_tokens, None if logprobs is None else logprobs[:len(new_tokens)],
                 request.status.finish_reason, request.stop_reason, request.num_cached_tokens,

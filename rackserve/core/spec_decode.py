@@ -1,4 +1,5 @@
-"""Speculative decoding's proposer: n-gram prompt lookup (vLLM's `"method": "ngram"`).
+"""Speculative decoding's proposers: n-gram prompt lookup (vLLM's `"method": "ngram"`), and the
+executor's own drafts (`"method": "mtp"`, RunnerDrafts below).
 
 Each step, a request that decodes is given up to k draft tokens: the tokens that followed the latest
 earlier occurrence of its last n tokens, for the longest n in [prompt_lookup_min, prompt_lookup_max]
@@ -54,3 +55,25 @@ class NgramProposer:
 
     def forget(self, req_id: str) -> None:
         self._index.pop(req_id, None)
+
+
+class RunnerDrafts:
+    """`"method": "mtp"`: the executor drafts, as vLLM's MTP and EAGLE drafters do after sampling.
+    A step's ModelRunnerOutput carries, for each request that sampled, the tokens it drafts to follow
+    them; they are proposed at the request's next decode, if its tokens are still the ones they
+    follow (a request preempted, or cut by a stop, proposes nothing stale)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self._drafts: dict[str, tuple[int, list[int]]] = {}   # req id -> (its tokens then, the drafts)
+
+    def take(self, req_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """The executor's drafts to follow the request's first `num_tokens` tokens."""
+        self._drafts[req_id] = (num_tokens, drafts)
+
+    def propose(self, req_id: str, tokens: list[int], max_drafts: int) -> list[int]:
+        num_tokens, drafts = self._drafts.pop(req_id, (-1, []))
+        return drafts[:min(self.k, max_drafts)] if num_tokens == len(tokens) and max_drafts > 0 else []
+
+    def forget(self, req_id: str) -> None:
+        self._drafts.pop(req_id, None)

@@ -29,6 +29,12 @@ class EngineCore:
         self.executor = executor or create_executor(config)
         try:
             self.config = config.with_model_len(self.executor.model_max_len)
+            spec = config.speculative
+            # An executor whose outputs carry draft tokens (ModelRunnerOutput.draft_token_ids) says
+            # so with `drafts_tokens`: the simulator's does; no model runner drafts yet.
+            if spec is not None and spec.method == "mtp" and not getattr(self.executor, "drafts_tokens", False):
+                raise ValueError(f"speculative method 'mtp' needs an executor that drafts; "
+                                 f"{type(self.executor).__name__} does not")
             # DP rank i's scheduler plans for DP rank i's KV cache, whose size may differ from others'.
             self.schedulers = [Scheduler(self.config, n, self.executor.kv_cache_config, dp_rank)
                                for dp_rank, n in enumerate(self.executor.dp_num_kv_blocks)]

@@ -45,6 +45,9 @@ class InstanceStats:
     prefix_hits: int = 0
     prefix_queries: int = 0
     preemptions: int = 0
+    drafts: int = 0                     # decodes that verified drafts, their drafts, the drafts kept
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     step_seconds: list[float] = field(default_factory=list)
     # (start, idle, busy) a DP step; idle and busy summed over its ranks (idle: waiting for the slowest)
     dp_steps: list[tuple[float, float, float]] = field(default_factory=list)
@@ -132,6 +135,9 @@ class SimInstance:
         s.prefix_hits += stats.prefix_cache_hits
         s.prefix_queries += stats.prefix_cache_queries
         s.preemptions += stats.num_preemptions
+        s.drafts += stats.num_drafts
+        s.draft_tokens += stats.num_draft_tokens
+        s.accepted_tokens += stats.num_accepted_tokens
         if len(stats.dp_ranks) > 1:
             s.dp_steps.append((self.clock(), sum(r.idle_seconds for r in stats.dp_ranks),
                                sum(r.busy_seconds or 0.0 for r in stats.dp_ranks)))

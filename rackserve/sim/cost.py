@@ -47,6 +47,7 @@ class SeqWork(NamedTuple):
     new_tokens: int
     context: int
     samples: bool = True        # whether it samples a token this step (its prompt is done)
+    drafts: int = 0             # draft tokens among new_tokens, verified: each row samples too
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class CostModel:
     def _dense(self, batch: list[SeqWork]) -> OpCost:
         s, tp = self.spec, self.shape.tensor_parallel_size
         tokens = sum(w.new_tokens for w in batch)
-        sampled = sum(1 for w in batch if w.samples)
+        sampled = sum(1 + w.drafts for w in batch if w.samples)     # the LM head's rows
         wbytes = s.weight_bytes
         params = s.dense_params_per_token + (s.lm_head_params if sampled else 0)
         flops = 2 * s.dense_params_per_token * tokens + 2 * s.lm_head_params * sampled

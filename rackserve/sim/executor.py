@@ -2,7 +2,10 @@
 ones do (SchedulerOutput in, ModelRunnerOutput out, one per DP rank in lockstep) but runs no model:
 it keeps each request's progress from the SchedulerOutputs, prices the step with a cost model, and
 samples stand-in tokens (a hash of the request and position: distinct requests never share output
-blocks). `last_step_seconds` is the virtual time the step took: its cost, times the device's
+blocks). With speculative method "mtp" it is the drafter too: each request that samples gets k
+draft tokens for its next step (ModelRunnerOutput.draft_token_ids), and a step that verifies drafts
+keeps each while the ones before it were kept, with the acceptance rate (a hash of request and
+position decides), then samples one token of its own, as vLLM's rejection sampler does. `last_step_seconds` is the virtual time the step took: its cost, times the device's
 measured spread of served steps (a CPU's: a draw each step from `serve_step_spread`, times one every
 `serve_slow_seconds` of steps from `serve_slow_spread`; hashed from the step's number and the time
 stepped, so reruns agree); whoever drives the engine advances its clock by it.
@@ -13,6 +16,7 @@ would. It must never sleep, read a clock nor import torch.
 from __future__ import annotations
 
 import zlib
+from hashlib import blake2b
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,12 +54,12 @@ def kv_blocks_for(spec: ModelSpec, config: EngineConfig) -> int:
 @register_executor("sim")
 class SimExecutor(Executor):
     def __init__(self, config: EngineConfig, pricer: StepPricer | None = None, spec: ModelSpec | None = None,
-                 num_speculative_tokens: int = 0, acceptance_rate: float = 0.0,
-                 transfer: "SimTransfer | SimStoreTransfer | None" = None):
+                 acceptance_rate: float = 0.0, transfer: "SimTransfer | SimStoreTransfer | None" = None):
         """Defaults (as the registry builds it): the model's config.json at config.model.model and
-        this machine's `cpu` calibration. Speculative decoding (MTP) is an acceptance rate: each
-        decode step returns 1 + the accepted draft tokens, and the next step verifies them; the
-        k draft passes after a step (sim/mtp.py) are added to its time.
+        this machine's `cpu` calibration. Speculative decoding (MTP: config.speculative with method
+        "mtp" and k tokens) is an acceptance rate: the scheduler schedules the k drafts each request
+        was sent (as far as its budget and blocks allow), the step prices them as rows of their
+        own, and the k draft passes after a step (sim/mtp.py) are added to its time.
         `transfer`: the KV connector's worker half on virtual time, carrying out the orders of
         the engine's connector scheduler halves: P/D pulls over the link (sim/transfer.py), loads
         from and stores to a KV pool shared with other instances (sim/kv_store.py), or both."""
@@ -64,7 +68,12 @@ class SimExecutor(Executor):
         self.pricer = pricer or CostModel(self.spec, load_hardware("cpu"),
                                           ParallelShape(p.tensor_parallel_size, p.data_parallel_size,
                                                         p.enable_expert_parallel), config.model.seed)
-        self.num_speculative_tokens, self.acceptance_rate = num_speculative_tokens, acceptance_rate
+        spec_config = config.speculative
+        if spec_config is not None and spec_config.method != "mtp":
+            raise ValueError(f"the simulator drafts as MTP does, not with {spec_config.method!r}")
+        self.num_speculative_tokens = spec_config.num_speculative_tokens if spec_config else 0
+        self.drafts_tokens = self.num_speculative_tokens > 0
+        self.acceptance_rate = acceptance_rate
         self.transfer = transfer
         self.model_max_len = self.spec.max_model_len
         self.vocab_size = self.spec.vocab_size
@@ -97,20 +106,24 @@ class SimExecutor(Executor):
         self._stepped += self.last_step_seconds
         connector = self._transfers(scheduler_outputs, batches)
         outputs = []
-        for d, (reqs, batch) in enumerate(zip(self._reqs, batches)):
-            req_ids, sampled = [], []
+        for d, (reqs, batch, so) in enumerate(zip(self._reqs, batches, scheduler_outputs)):
+            req_ids, sampled, drafts = [], [], []
             for req_id, work, n in batch:
                 state = reqs[req_id]
-                state.num_computed += n
                 if work.samples:
-                    count = 1 + self._accepted(req_id, state)
-                    tokens = [self._token(req_id, state.num_tokens + i) for i in range(count)]
+                    tokens = self._verify(req_id, state.num_tokens, so.scheduled_spec_decode_tokens.get(req_id, []))
+                    # The rejected drafts' KV is not the request's (the scheduler takes it back too).
+                    state.num_computed += n - (work.drafts + 1 - len(tokens))
                     state.num_tokens += len(tokens)
                     req_ids.append(req_id)
                     sampled.append(tokens)
+                    drafts.append([self._token(req_id, state.num_tokens + i) for i in range(self.num_speculative_tokens)])
+                else:
+                    state.num_computed += n
             busy = cost.ranks[d].busy_seconds if cost.ranks else None
             outputs.append(ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids), busy_seconds=busy,
-                                             kv_connector_output=connector[d]))
+                                             kv_connector_output=connector[d],
+                                             draft_token_ids=drafts if self.drafts_tokens else None))
         return outputs
 
     def _drafts(self, batches: list) -> float:
@@ -160,19 +173,26 @@ class SimExecutor(Executor):
         batch = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = reqs[req_id]
-            batch.append((req_id, SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens), n))
+            drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            batch.append((req_id, SeqWork(n, state.num_computed, state.num_computed + n >= state.num_tokens,
+                                          drafts), n))
         return batch
 
-    def _accepted(self, req_id: str, state: _ReqState) -> int:
-        """Draft tokens accepted after this one: each of k drafts survives with the acceptance rate
-        while the ones before it did (drawn from a hash, so reruns agree)."""
-        accepted = 0
-        for i in range(self.num_speculative_tokens):
-            u = zlib.crc32(f"accept/{req_id}/{state.num_tokens}/{i}".encode()) / 2**32
+    def _verify(self, req_id: str, num_tokens: int, drafts: list[int]) -> list[int]:
+        """The tokens a step keeps for a request that samples after `num_tokens` tokens: its drafts
+        while each is accepted (with the acceptance rate, drawn from a hash of request and position,
+        so reruns agree), then a token of its own (a rejected draft's position gets another token)."""
+        kept = []
+        for draft in drafts:
+            key = f"accept/{self._seed}/{req_id}/{num_tokens + len(kept)}".encode()   # crc32's draws of
+            u = int.from_bytes(blake2b(key, digest_size=8).digest(), "little") / 2**64  # neighbours correlate
             if u >= self.acceptance_rate:
                 break
-            accepted += 1
-        return accepted
+            kept.append(draft)
+        token = self._token(req_id, num_tokens + len(kept))
+        if len(kept) < len(drafts) and token == drafts[len(kept)]:
+            token = (token + 1) % self.vocab_size
+        return kept + [token]
 
     def _token(self, req_id: str, position: int) -> int:
         return zlib.crc32(f"{req_id}/{position}".encode()) % self.vocab_size

@@ -16,7 +16,7 @@ from hashlib import blake2b
 from typing import Callable
 
 from rackserve.config import (CacheConfig, EngineConfig, KVEventsConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig)
+                              SchedulerConfig, SpeculativeConfig)
 from rackserve.engine.core import EngineCore
 from rackserve.sim.chat_template import TemplateTokens, marker_ids, template_for
 from rackserve.sim.cost import CostModel, ParallelShape
@@ -81,6 +81,11 @@ class SimSetup:
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.long_prefill_token_threshold,
                             args.max_waiting_tokens),
             ParallelConfig(tp, data_parallel_size=dp, enable_expert_parallel=args.enable_expert_parallel))
+        if args.num_speculative_tokens < 0 or not 0 <= args.acceptance_rate <= 1:
+            raise ValueError("--num-speculative-tokens must be >= 0 and --acceptance-rate within [0, 1]")
+        if args.num_speculative_tokens:   # the executor drafts, as MTP does (sim/executor.py)
+            config = dataclasses.replace(config, speculative=SpeculativeConfig(
+                method="mtp", num_speculative_tokens=args.num_speculative_tokens))
         shape = ParallelShape(tp, dp, args.enable_expert_parallel, args.expert_skew)
         from rackserve.sim.routing import make_router
         if make_router(args.router_policy, args.block_size).uses_kv_events:   # an unknown name fails here
@@ -118,7 +123,8 @@ class SimSetup:
                                        scheduler=dataclasses.replace(self.config.scheduler,
                                                                      max_num_batched_tokens=budget),
                                        parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
-                                                                    data_parallel_size=dp)),
+                                                                    data_parallel_size=dp),
+                                       speculative=None),
             num_speculative_tokens=0, pd_role="kv_producer")
         prefill.check_memory()
         return dataclasses.replace(self, instances=args.decode, prefill=prefill, pd_role="kv_consumer")
@@ -170,7 +176,7 @@ class SimSetup:
         if self.executor_factory is not None:
             return self.executor_factory(self, seed)
         return SimExecutor(self.config, CostModel(self.spec, self.hardware, self.shape, seed), self.spec,
-                           self.num_speculative_tokens, self.acceptance_rate, transfer)
+                           self.acceptance_rate, transfer)
 
     def kv_pool(self) -> SimStore | None:
         """A fresh pool for one run, sized in tokens of this model's KV; None without one."""
@@ -266,11 +272,16 @@ class SimSetup:
         lo, hi = min(starts), max(starts)
         window = [(x, y) for i in instances for t, x, y in i.stats.dp_steps if lo <= t <= hi]
         w_idle, w_busy = sum(x for x, _ in window), sum(y for _, y in window)
+        drafts, draft_tokens, accepted = (sum(getattr(i.stats, f) for i in instances)
+                                          for f in ("drafts", "draft_tokens", "accepted_tokens"))
         return {"concurrency": concurrency, "summary": summary.to_json(),
                 "requests": [r.to_json() for r in records],
                 "sim": {"virtual_seconds": virtual, "wall_seconds": wall, "speedup": virtual / wall if wall else 0.0,
                         "steps": len(steps), "mean_step_seconds": sum(steps) / len(steps) if steps else 0.0,
                         "preemptions": sum(i.stats.preemptions for i in instances),
+                        # vLLM's spec-decode counters; mean_acceptance_length: tokens a verifying step kept
+                        "spec_decode": {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                                        "mean_acceptance_length": 1 + accepted / drafts} if drafts else None,
                         "dp_idle_share": idle / (idle + busy) if idle + busy else 0.0,
                         "dp_idle_share_steady": w_idle / (w_idle + w_busy) if w_idle + w_busy else 0.0,
                         "kv_pool_hit_tokens": pools[0].pool.hit_tokens if pools and pools[0] else None,

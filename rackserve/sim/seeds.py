@@ -47,7 +47,7 @@ def single_user_rate(spec: ModelSpec, hw: Hardware, context: int = 131072) -> fl
 
 
 def decode_batches(dp: int, per_rank: int, context: int) -> list[list[SeqWork]]:
-    return [[SeqWork(NEXTN + 1, context)] * per_rank for _ in range(dp)]
+    return [[SeqWork(NEXTN + 1, context, True, NEXTN)] * per_rank for _ in range(dp)]
 
 
 def prefill_batches(dp: int, new: int, context: int) -> list[list[SeqWork]]:
