@@ -17,7 +17,7 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)]
 
 
-def _greedy(model_dir: str, prompts=PROMPTS, params=PARAMS, stats=None, **options) -> tuple[list[list[int]], object]:
+def _greedy(model_dir: str, prompts=PROMPTS, params=PARAMS, stats=None, **options) -> tuple[list, object]:
     with LLM(model_dir, device="cpu", num_gpu_blocks_override=64, block_size=4, max_model_len=128, skip_tokenizer_init=True,
              **options) as llm:
         if stats is not None:

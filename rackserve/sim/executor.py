@@ -5,8 +5,9 @@ samples stand-in tokens (a hash of the request and position: distinct requests n
 blocks). With speculative method "mtp" it is the drafter too: each request that samples gets k
 draft tokens for its next step (ModelRunnerOutput.draft_token_ids), and a step that verifies drafts
 keeps each while the ones before it were kept, with the acceptance rate (a hash of request and
-position decides), then samples one token of its own, as vLLM's rejection sampler does. `last_step_seconds` is the virtual time the step took: its cost, times the device's
-measured spread of served steps (a CPU's: a draw each step from `serve_step_spread`, times one every
+position decides), then one token of its own, as vLLM's rejection sampler keeps them.
+`last_step_seconds` is the virtual time the step took: its cost, times the device's measured
+spread of served steps (a CPU's: a draw each step from `serve_step_spread`, times one every
 `serve_slow_seconds` of steps from `serve_slow_spread`; hashed from the step's number and the time
 stepped, so reruns agree); whoever drives the engine advances its clock by it.
 
@@ -16,8 +17,8 @@ would. It must never sleep, read a clock nor import torch.
 from __future__ import annotations
 
 import zlib
-from hashlib import blake2b
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import Protocol
 
 from rackserve.config import EngineConfig
@@ -117,7 +118,8 @@ class SimExecutor(Executor):
                     state.num_tokens += len(tokens)
                     req_ids.append(req_id)
                     sampled.append(tokens)
-                    drafts.append([self._token(req_id, state.num_tokens + i) for i in range(self.num_speculative_tokens)])
+                    drafts.append([self._token(req_id, state.num_tokens + i)
+                                   for i in range(self.num_speculative_tokens)])
                 else:
                     state.num_computed += n
             busy = cost.ranks[d].busy_seconds if cost.ranks else None
