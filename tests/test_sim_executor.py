@@ -190,6 +190,35 @@ def test_mtp_drafts_follow_the_engines_draft_contract(tiny_llama_dir, k, a):
     core.check_integrity()
 
 
+def test_mtp_drafts_under_preemption(tiny_llama_dir):
+    """Few blocks: drafts take free blocks only while requests are preempted and recomputed; every
+    request still gets exactly its tokens, the executor and the scheduler agree on every running
+    request's progress after each step, and the block pool stays whole."""
+    config = dataclasses.replace(
+        EngineArgs(model=tiny_llama_dir, num_gpu_blocks_override=24, block_size=4, max_model_len=64,
+                   max_num_batched_tokens=64).create_engine_config(),
+        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3))
+    executor = SimExecutor(config, pricer=_Priced(), acceptance_rate=0.7)
+    core = EngineCore(config, executor)
+    core.add_requests([Request(f"r{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=30, ignore_eos=True))
+                       for i in range(6)])
+    tokens = {f"r{i}": 0 for i in range(6)}
+    preemptions = drafts = 0
+    while core.has_unfinished_requests():
+        outputs, stats = core.step()
+        preemptions += stats.num_preemptions
+        drafts += stats.num_draft_tokens
+        for o in outputs:
+            tokens[o.req_id] += len(o.new_token_ids)
+        for req_id, state in executor._reqs[0].items():
+            request = core.scheduler.requests.get(req_id)
+            if request is not None and request.num_computed_tokens:
+                assert state.num_computed == request.num_computed_tokens
+        core.check_integrity()
+    assert preemptions > 0 and drafts > 0, "the run must preempt and draft"
+    assert tokens == {f"r{i}": 30 for i in range(6)}
+
+
 def test_mtp_steps_without_room_for_drafts_compute_one_row(tiny_llama_dir):
     """Drafts only where the budget allows: a budget of one token a request (16 one-token prompts,
     admitted together, decoding together) leaves none, and the run then matches the one without
