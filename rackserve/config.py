@@ -90,6 +90,37 @@ class ParallelConfig:
         return range(self.node_rank * self.local_world_size, (self.node_rank + 1) * self.local_world_size)
 
 
+# Default side channel ports come from below Linux's ephemeral range (32768-60999 by default): the
+# connections an instance opens while it starts (torch.distributed's, Mooncake's) take local ports
+# there, and an OS-assigned port's neighbours, which the other ranks serve on, were at times taken
+# by the time those ranks bound them.
+SIDE_CHANNEL_PORTS = (20000, 32768)
+
+
+def free_port_run(host: str, count: int, attempts: int = 200) -> int:
+    """The first of `count` consecutive ports that all bind on `host` right now, drawn at random
+    from SIDE_CHANNEL_PORTS (another process may still take one before the ranks bind it)."""
+    import random
+    import socket
+    lo, hi = SIDE_CHANNEL_PORTS
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        base = rng.randrange(lo, hi - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise OSError(f"no {count} consecutive free ports in [{lo}, {hi}) on {host}: set side_channel_port")
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Which KV connector moves this instance's KV to or from others (vLLM's keys)."""
@@ -116,20 +147,19 @@ class KVTransferConfig:
         _require(isinstance(config.kv_connector_extra_config, dict), "kv_connector_extra_config is an object")
         return config
 
-    def resolved(self) -> "KVTransferConfig":
-        """Name this instance and its side channel port once, so its scheduler and workers agree."""
-        import socket
+    def resolved(self, num_ranks: int = 1) -> "KVTransferConfig":
+        """Name this instance and its side channel port once, so its scheduler and workers agree.
+        Rank i of its `num_ranks` serves on the port + i, so a default port starts a run of that
+        many ports free now (free_port_run)."""
         import uuid
         extra = dict(self.kv_connector_extra_config)
         if not extra.get("side_channel_port"):
-            with socket.socket() as s:
-                s.bind((extra.get("side_channel_host", "127.0.0.1"), 0))
-                extra["side_channel_port"] = s.getsockname()[1]
+            extra["side_channel_port"] = free_port_run(extra.get("side_channel_host", "127.0.0.1"), num_ranks)
         if isinstance(extra.get("connectors"), list):   # MultiConnector's children, resolved alike
             extra["connectors"] = [
                 {**c, "kv_connector_extra_config": KVTransferConfig(
                     c.get("kv_connector", "?"), kv_connector_extra_config=c.get("kv_connector_extra_config", {})
-                ).resolved().kv_connector_extra_config} for c in extra["connectors"]]
+                ).resolved(num_ranks).kv_connector_extra_config} for c in extra["connectors"]]
         return dataclasses.replace(self, engine_id=self.engine_id or f"rackserve-{uuid.uuid4().hex[:12]}",
                                    kv_connector_extra_config=extra)
 
@@ -408,10 +438,12 @@ class EngineArgs:
         _require(self.max_waiting_tokens >= 0, "max_waiting_tokens must be >= 0")
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold,
                                 self.max_waiting_tokens)
-        kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_json(self.kv_transfer_config).resolved()
+        parallel = self._parallel_config(device)
+        kv_transfer = None if self.kv_transfer_config is None else \
+            KVTransferConfig.from_json(self.kv_transfer_config).resolved(parallel.world_size)
         kv_events = KVEventsConfig.from_json(self.kv_events_config) if self.kv_events_config else None
         speculative = SpeculativeConfig.from_json(self.speculative_config)
-        return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=self._parallel_config(device),
+        return EngineConfig(model=model, cache=cache, scheduler=sched, parallel=parallel,
                             kv_transfer=kv_transfer, kv_events=kv_events,
                             compilation=CompilationConfig.from_json(self.compilation_config, self.enforce_eager),
                             speculative=speculative)

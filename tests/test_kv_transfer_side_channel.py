@@ -78,3 +78,31 @@ def test_the_listen_backlog_takes_a_burst_of_connections():
         assert int(line[2]) >= 128   # a listening socket's Send-Q is its backlog
     finally:
         server.shutdown()
+
+
+def test_a_default_side_channel_port_starts_a_free_run_for_every_rank(tiny_llama_dir, monkeypatch):
+    """Rank i serves on the port + i: the default port starts a run of world_size ports that all
+    bind, from below Linux's ephemeral range (where the instance's own connections take ports while
+    it starts), and a run with a taken port is never chosen."""
+    from rackserve import config as config_module
+    from rackserve.config import EngineArgs, free_port_run
+    lo, hi = config_module.SIDE_CHANNEL_PORTS
+    assert hi <= 32768
+    engine = EngineArgs(model=tiny_llama_dir, device="cpu", data_parallel_size=2, tensor_parallel_size=2,
+                        kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": "kv_both"},
+                        ).create_engine_config()
+    base = engine.kv_transfer.kv_connector_extra_config["side_channel_port"]
+    assert lo <= base and base + 4 <= hi
+    for port in range(base, base + 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    held = socket.socket()
+    try:
+        taken = free_port_run("127.0.0.1", 3) + 1     # its neighbours free too
+        held.bind(("127.0.0.1", taken))
+        monkeypatch.setattr(config_module, "SIDE_CHANNEL_PORTS", (taken - 1, taken + 2))
+        assert {free_port_run("127.0.0.1", 1) for _ in range(40)} <= {taken - 1, taken + 1}
+        with pytest.raises(OSError, match="set side_channel_port"):
+            free_port_run("127.0.0.1", 2, attempts=20)   # both runs of 2 hold the taken port
+    finally:
+        held.close()
