@@ -9,7 +9,6 @@ global state is torch.distributed's own default group, created once per worker p
 """
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rackserve.config import ParallelConfig
+from rackserve.config import ParallelConfig, free_port_run
 
 # Within a forward pass a rank waits on a peer for at most one layer's imbalance; a collective
 # stuck this long means a peer hangs (a dead peer closes its sockets and fails at once).
@@ -202,7 +201,6 @@ def _subgroup(world: GroupCoordinator, partition: list[list[int]]) -> GroupCoord
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on `host` (another process may still take it before we bind)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free right now on `host`, from below the ephemeral range (config.free_port_run: the
+    connections opened meanwhile never take it; another process binding ports may still)."""
+    return free_port_run(host, 1)

@@ -10,10 +10,10 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
+from rackserve.config import free_port_run
 from rackserve.serve.cli import register_subcommand
 
 
@@ -44,10 +44,6 @@ def die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +57,7 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 @register_subcommand("kv-pool", "run the Mooncake master of a KV pool shared by instances (MooncakeStoreConnector)",
                      _add_args)
 def _kv_pool(args: argparse.Namespace) -> int:
-    command = master_command(args.port, args.metrics_port or _free_port(), args.eviction_high_watermark)
+    command = master_command(args.port, args.metrics_port or free_port_run("127.0.0.1", 1), args.eviction_high_watermark)
     proc = subprocess.Popen(command, preexec_fn=die_with_parent)
     address = f"{args.host}:{args.port}"
     print(json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
