@@ -79,7 +79,7 @@ class Scheduler:
         spec = config.speculative
         self.proposer = None if spec is None else \
             RunnerDrafts(spec) if spec.method == "mtp" else NgramProposer(spec)
-        self.spec_max_running = config.speculative and config.speculative.disable_by_batch_size
+        self.spec_max_running = spec and spec.disable_by_batch_size
         if self.proposer is not None and kv_cache_config is not None:
             raise ValueError("--speculative-config with a model of several kinds of KV cache (a sliding window, "
                              "compressed entries: DeepSeek-V4) is not supported: its drafts' compressed KV "

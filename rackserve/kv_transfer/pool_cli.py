@@ -57,7 +57,8 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
 @register_subcommand("kv-pool", "run the Mooncake master of a KV pool shared by instances (MooncakeStoreConnector)",
                      _add_args)
 def _kv_pool(args: argparse.Namespace) -> int:
-    command = master_command(args.port, args.metrics_port or free_port_run("127.0.0.1", 1), args.eviction_high_watermark)
+    metrics_port = args.metrics_port or free_port_run("127.0.0.1", 1)
+    command = master_command(args.port, metrics_port, args.eviction_high_watermark)
     proc = subprocess.Popen(command, preexec_fn=die_with_parent)
     address = f"{args.host}:{args.port}"
     print(json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",

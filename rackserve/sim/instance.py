@@ -43,7 +43,6 @@ class SimSetup:
     shape: ParallelShape
     instances: int
     router_policy: str
-    num_speculative_tokens: int = 0
     acceptance_rate: float = 0.0
     prefill: "SimSetup | None" = None    # P/D: the prefill pool; this setup is then the decode pool
     pd_role: str | None = None           # P/D: kv_producer (the prefill pool) or kv_consumer (the decode pool)
@@ -95,7 +94,7 @@ class SimSetup:
         if args.dp_placement not in DP_PLACEMENT_NAMES:
             raise ValueError(f"unknown DP placement {args.dp_placement!r}; choose one of {DP_PLACEMENT_NAMES}")
         setup = cls(spec, hardware, config, shape, args.instances, args.router_policy,
-                    args.num_speculative_tokens, args.acceptance_rate, dp_placement=args.dp_placement,
+                    args.acceptance_rate, dp_placement=args.dp_placement,
                     template=template_for(args.model if args.tokenizer is None else args.tokenizer),
                     tokenizer=args.model if args.tokenizer is None else args.tokenizer,
                     kv_pool_gib=args.kv_pool_memory,
@@ -125,7 +124,7 @@ class SimSetup:
                                        parallel=dataclasses.replace(self.config.parallel, tensor_parallel_size=tp,
                                                                     data_parallel_size=dp),
                                        speculative=None),
-            num_speculative_tokens=0, pd_role="kv_producer")
+            pd_role="kv_producer")
         prefill.check_memory()
         return dataclasses.replace(self, instances=args.decode, prefill=prefill, pd_role="kv_consumer")
 
@@ -137,6 +136,11 @@ class SimSetup:
         inside = self.all_devices <= self.hardware.domain_size
         bw = self.hardware.scale_up_bw if inside else self.hardware.scale_out_bw
         return bw * efficiency("link_bw", self.hardware.efficiency)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """MTP drafts a step (config.speculative; 0: none, as on a P/D prefill pool)."""
+        return self.config.speculative.num_speculative_tokens if self.config.speculative else 0
 
     @property
     def devices(self) -> int:
