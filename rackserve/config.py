@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -95,6 +96,9 @@ class ParallelConfig:
 # there, and an OS-assigned port's neighbours, which the other ranks serve on, were at times taken
 # by the time those ranks bound them.
 SIDE_CHANNEL_PORTS = (20000, 32768)
+# The ports free_port_run handed out lately in this process: a port is free until its user binds
+# it, so two draws before those binds (a test's events, replay and HTTP ports) could be the same.
+_HANDED_OUT: "deque[int]" = deque(maxlen=4096)
 
 
 def free_port_run(host: str, count: int, attempts: int = 200) -> int:
@@ -105,13 +109,16 @@ def free_port_run(host: str, count: int, attempts: int = 200) -> int:
     lo, hi = SIDE_CHANNEL_PORTS
     rng = random.SystemRandom()
     for _ in range(attempts):
-        base = rng.randrange(lo, hi - count)
+        base = rng.randrange(lo, hi - count + 1)   # the run base..base+count-1 lies below hi
+        if any(port in _HANDED_OUT for port in range(base, base + count)):
+            continue
         sockets = []
         try:
             for port in range(base, base + count):
                 sock = socket.socket()
                 sockets.append(sock)
                 sock.bind((host, port))
+            _HANDED_OUT.extend(range(base, base + count))
             return base
         except OSError:
             continue

@@ -10,7 +10,6 @@ import json
 import httpx
 import pytest
 
-from rackserve.distributed.parallel_state import free_port
 from tests.server_utils import start_commands, start_server, stop_all
 from tests.test_server_hardening import COMP, HOSTILE, MAX_MODEL_LEN, MODEL, VOCAB
 from tests.tiny_models import build_tiny_model
@@ -22,8 +21,8 @@ def fronts(tmp_path_factory):
     root = tmp_path_factory.mktemp("front")
     model_dir = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=512)
     save_test_tokenizer(str(root / "tokenizer"), VOCAB)
-    events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-                         "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"})
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0",
+                         "replay_endpoint": "tcp://*:0", "topic": "kv"})
     procs = []
     try:
         proc, instance = start_server(["--model", model_dir, "--tokenizer", str(root / "tokenizer"),

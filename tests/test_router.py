@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from rackserve.distributed.parallel_state import free_port
 from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
@@ -50,8 +49,8 @@ def cluster(tmp_path_factory):
     try:
         commands = []
         for i in range(2):
-            events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-                                 "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"})
+            events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:0",
+                                 "replay_endpoint": "tcp://*:0", "topic": "kv"})
             commands.append((serve_args(
                 ["--model", model, "--tokenizer", str(root / "tok"), "--served-model-name", MODEL, "--device", "cpu",
                  "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256", "--block-size", str(BS),

@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 
-from rackserve.distributed.parallel_state import free_port
 from tests.server_utils import metric_totals, scrape_metrics, serve_args, start_command, start_commands, stop_all
 from tests.tiny_models import build_tiny_model
 from tests.tokenizer_utils import save_test_tokenizer
@@ -28,8 +27,8 @@ GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 def _flags(role: str) -> list[str]:
     kv = {"kv_connector": "MooncakeConnector", "kv_role": role,
           "kv_connector_extra_config": {"lease_seconds": 10.0, "transfer_timeout": 5.0}}
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}",
-              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv"}
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0",
+              "replay_endpoint": "tcp://*:0", "topic": "kv"}
     return ["--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events)]
 
 
