@@ -108,6 +108,10 @@ def free_port_run(host: str, count: int, attempts: int = 200) -> int:
     import socket
     lo, hi = SIDE_CHANNEL_PORTS
     rng = random.SystemRandom()
+    # An IPv4 port is checked on the wildcard address: that bind fails where any address holds it
+    # (a socket on the host's own address holds a port that a check on 127.0.0.1 finds free).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    address = host if family == socket.AF_INET6 else "0.0.0.0"
     for _ in range(attempts):
         base = rng.randrange(lo, hi - count + 1)   # the run base..base+count-1 lies below hi
         if any(port in _HANDED_OUT for port in range(base, base + count)):
@@ -115,9 +119,9 @@ def free_port_run(host: str, count: int, attempts: int = 200) -> int:
         sockets = []
         try:
             for port in range(base, base + count):
-                sock = socket.socket()
+                sock = socket.socket(family)
                 sockets.append(sock)
-                sock.bind((host, port))
+                sock.bind((address, port))
             _HANDED_OUT.extend(range(base, base + count))
             return base
         except OSError:
