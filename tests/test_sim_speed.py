@@ -3,10 +3,12 @@
 simulated run through the block path (kv routing, DP, MTP, P/D with a KV pool) produces the
 same requests, the same scheduler and router decisions and the same figures as the text path;
 the routers' hashes of a session's prompts, each extended from the last (sim/routing.py's
-PromptHashes), are block_hashes' and a run with them is the run without."""
+PromptHashes), are block_hashes' and a run with them is the run without; prompts held as arrays
+of 4-byte ids give the run of prompts held as lists."""
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 
@@ -14,6 +16,8 @@ from rackserve.bench.token_text import PromptRenderer, default_vocabulary
 from rackserve.bench.workload import WorkloadOptions, make_workload
 from rackserve.serve.cli import main
 from rackserve.core.hashing import block_hashes
+from rackserve.core.request import Request
+from rackserve.sampling_params import SamplingParams
 from rackserve.sim import prompt_ids, routing
 from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.prompt_ids import BlockRenderer, Tokens
@@ -83,3 +87,25 @@ def test_a_run_is_the_same_with_or_without_the_prompt_hash_memo(tmp_path, monkey
     monkeypatch.setattr(routing.PromptHashes, "of", lambda self, tokens, size, seed=0, key=None:
                         block_hashes(tokens, size, seed))
     assert _run(tmp_path, "whole", args) == memo
+
+
+def test_a_simulated_prompt_is_an_array_that_the_engine_keeps():
+    """A simulated prompt is an array of 4-byte ids (a rack holds thousands of 100K-token prompts
+    at once: a list took 8 bytes a token, twice over), and the engine's Request keeps that kind for
+    its prompt and its own copy of every token, which hash as the list's."""
+    ids = Tokens(300, TemplateTokens(3, 2, 1)).encode([{"role": "user", "content": "one two three " * 50}])
+    assert isinstance(ids, array) and ids.itemsize == 4 and len(ids) == 3 + 2 + 150 + 1   # the template's tokens around the words
+    request = Request("r", ids, SamplingParams(max_tokens=4))
+    assert isinstance(request.all_token_ids, array) and request.all_token_ids is not ids
+    request.append_output_token(7)
+    assert list(request.all_token_ids) == list(ids) + [7] and list(ids) == list(request.prompt_token_ids)
+    assert block_hashes(request.all_token_ids, 16) == block_hashes(list(request.all_token_ids), 16)
+    assert isinstance(Request("s", [1, 2], SamplingParams()).all_token_ids, list)
+
+
+@ROUTED_RUNS
+def test_a_run_is_the_same_with_prompts_as_lists(tmp_path, monkeypatch, args):
+    arrays = _run(tmp_path, "arrays", args)
+    encode = Tokens.encode
+    monkeypatch.setattr(Tokens, "encode", lambda self, messages: list(encode(self, messages)))
+    assert _run(tmp_path, "lists", args) == arrays

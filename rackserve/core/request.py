@@ -7,6 +7,7 @@ stop rules (EOS, stop token ids, max_tokens, max_model_len). It must never impor
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 from rackserve.sampling_params import SamplingParams
@@ -35,7 +36,9 @@ class RequestStatus(enum.IntEnum):
 @dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    # A list, or an array (the simulator's prompts of 100K+ tokens: 4 bytes a token, not 8 and
+    # more); all_token_ids takes the same kind.
+    prompt_token_ids: "list[int] | array"
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     # Seconds on the engine's clock (real or virtual); the engine sets it, core never reads a clock.
@@ -53,7 +56,8 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
-        self.all_token_ids = list(self.prompt_token_ids)
+        ids = self.prompt_token_ids
+        self.all_token_ids = array(ids.typecode, ids) if isinstance(ids, array) else list(ids)
         # Orders for the KV connector; cleared when a failed load falls back to recompute.
         self.kv_transfer_params: dict | None = self.sampling_params.kv_transfer_params
 

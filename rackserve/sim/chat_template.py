@@ -16,6 +16,7 @@ It owns the measurement, the marker and the wrapping; it must never tokenize a w
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -29,16 +30,18 @@ class TemplateTokens:
     generation: int = 0         # the assistant's generation prompt (and any BOS)
 
     def wrap(self, messages: list[dict[str, str]], token: Callable[[str], int],
-             words: Callable[[str], list[int]]) -> list[int]:
+             words: Callable[[str], Sequence[int]]) -> array:
         """The prompt's token ids: each message's words (`words(text)`) inside the template's
-        parts, whose ids `token(name)` gives (the same name, the same id)."""
-        ids = []
+        parts, whose ids `token(name)` gives (the same name, the same id). An array of 4-byte
+        ids: a simulated rack holds thousands of 100K-token prompts at once."""
+        ids = array("I")
         if self.default_system and (not messages or messages[0]["role"] != "system"):
-            ids += [token(f"<template system {i}>") for i in range(self.default_system)]
+            ids.extend(token(f"<template system {i}>") for i in range(self.default_system))
         for m in messages:
-            ids += [token(f"<template {m['role']} {i}>") for i in range(self.per_message)]
-            ids += words(m["content"])
-        return ids + [token(f"<template generation {i}>") for i in range(self.generation)]
+            ids.extend(token(f"<template {m['role']} {i}>") for i in range(self.per_message))
+            ids.extend(words(m["content"]))
+        ids.extend(token(f"<template generation {i}>") for i in range(self.generation))
+        return ids
 
 
 @functools.lru_cache(maxsize=4)

@@ -72,7 +72,7 @@ class SimInstance:
         """Requests in flight here (least-load routing balances this)."""
         return len(self.pending)
 
-    async def generate(self, req_id: str, token_ids: list[int], max_tokens: int, record: RequestRecord,
+    async def generate(self, req_id: str, token_ids: Sequence[int], max_tokens: int, record: RequestRecord,
                        dp_rank: int | None = None, on_first: Callable[[], None] = lambda: None,
                        kv_transfer_params: dict | None = None, route: Route | None = None) -> dict | None:
         """Run one request to its end, filling `record` as a streaming client would; on `dp_rank`
@@ -181,7 +181,7 @@ class SimClient:
         return record
 
     @staticmethod
-    async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: list[int],
+    async def _routed(instances: list[SimInstance], router: SimRouter, req_id: str, token_ids: Sequence[int],
                       max_tokens: int, record: RequestRecord, kv_transfer_params: dict | None = None,
                       key: tuple | None = None) -> dict | None:
         route = router.pick(instances, token_ids, req_id, key)
@@ -195,7 +195,7 @@ class SimClient:
         finally:
             router.finish(req_id, output_tokens)
 
-    async def _disaggregated(self, token_ids: list[int], record: RequestRecord) -> None:
+    async def _disaggregated(self, token_ids: Sequence[int], record: RequestRecord) -> None:
         req_id = f"sim-{next(self._ids)}"
         prefilled = dataclasses.replace(record, chunk_times=[], first_chunk=None)
         params = await self._routed(self.prefill, self.prefill_router, req_id, token_ids, 1, prefilled,

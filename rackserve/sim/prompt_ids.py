@@ -71,13 +71,13 @@ class Tokens:
         except KeyError:
             return [self._id(w) for w in words]
 
-    def _words(self, content: "str | BlockText") -> list[int]:
+    def _words(self, content: "str | BlockText") -> "list[int] | array":
         if isinstance(content, str):
             return [self._id(w) for w in content.split()]
         if self.marker is not None and content.head:    # the server's tokens, in their own id names
-            ids = [self._id(f"<marker {t}>") for t in self.marker(content.head)]
+            ids = array("I", [self._id(f"<marker {t}>") for t in self.marker(content.head)])
         else:
-            ids = [self._id(w) for w in content.head.split()]
+            ids = array("I", [self._id(w) for w in content.head.split()])
         blocks, cache = content.blocks, self._blocks
         for i, key in enumerate(blocks):
             whole = cache.get(key)
@@ -85,8 +85,8 @@ class Tokens:
                 cache.move_to_end(key)
             if i == len(blocks) - 1 and content.last_words < content.renderer.block_size:
                 # A cut block assigns ids to the words it uses only, as its text would.
-                ids += whole[:content.last_words] if whole is not None else \
-                    self._ids_of(content.renderer.block(*key)[:content.last_words])
+                ids.extend(whole[:content.last_words] if whole is not None else
+                           self._ids_of(content.renderer.block(*key)[:content.last_words]))
                 continue
             if whole is None:
                 if len(cache) >= MAX_CACHED_BLOCKS:   # a long run plays many sessions
@@ -95,5 +95,5 @@ class Tokens:
             ids += whole
         return ids
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict]) -> array:
         return self.template.wrap(messages, self._id, self._words)

@@ -51,7 +51,7 @@ class PromptHashes:
     def __init__(self) -> None:
         self._plays: dict = {}      # lane -> (play, {session: (token_ids, hashes)})
 
-    def of(self, token_ids: list[int], block_size: int, seed: int = 0, key: tuple | None = None) -> list[int]:
+    def of(self, token_ids: Sequence[int], block_size: int, seed: int = 0, key: tuple | None = None) -> list[int]:
         """block_hashes(token_ids, block_size, seed); `key`: (lane, play, session), or None."""
         if key is None:
             return block_hashes(token_ids, block_size, seed)
@@ -88,7 +88,7 @@ class SimRouter:
     def __init__(self) -> None:
         self.prompt_hashes = PromptHashes()
 
-    def pick(self, instances: Sequence, token_ids: list[int], req_id: str, key: tuple | None = None) -> Route:
+    def pick(self, instances: Sequence, token_ids: Sequence[int], req_id: str, key: tuple | None = None) -> Route:
         raise NotImplementedError
 
     def observe(self, instance: int, kv_events_by_rank: list[list[Any]]) -> None:
@@ -119,7 +119,7 @@ class ClusterRouter(SimRouter):
     def worker(instance: int, dp_rank: int) -> WorkerKey:
         return WorkerKey(f"sim://{instance}", dp_rank)
 
-    def pick(self, instances: Sequence, token_ids: list[int], req_id: str, key: tuple | None = None) -> Route:
+    def pick(self, instances: Sequence, token_ids: Sequence[int], req_id: str, key: tuple | None = None) -> Route:
         hashes = self.prompt_hashes.of(token_ids, self.block_size, 0, key)
         workers = [self.worker(i, d) for i, inst in enumerate(instances) for d in range(len(inst.core.schedulers))]
         decision = self.policy.choose(hashes, workers, self.index, self.loads)
@@ -154,7 +154,7 @@ def uncached_work(scheduler: Scheduler, hashes: list[int], num_tokens: int) -> i
     return queued + num_tokens - hit
 
 
-def _hashes(scheduler: Scheduler, token_ids: list[int], memo: PromptHashes | None = None,
+def _hashes(scheduler: Scheduler, token_ids: Sequence[int], memo: PromptHashes | None = None,
             key: tuple | None = None) -> list[int]:
     """The prompt's block hashes as `scheduler` keys its cache (none without prefix caching),
     through a router's `memo` where it keeps one."""
@@ -177,7 +177,7 @@ DP_PLACEMENT_NAMES = ("router", "least_load", "least_uncached")   # router: the 
 
 
 class LeastUncached(SimRouter):
-    def pick(self, instances: Sequence, token_ids: list[int], req_id: str, key: tuple | None = None) -> Route:
+    def pick(self, instances: Sequence, token_ids: Sequence[int], req_id: str, key: tuple | None = None) -> Route:
         scheduler = instances[0].core.schedulers[0]
         hashes = _hashes(scheduler, token_ids, self.prompt_hashes, key)   # one block size for all
         work = [min(uncached_work(s, hashes, len(token_ids)) for s in i.core.schedulers) for i in instances]
