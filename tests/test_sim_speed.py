@@ -94,7 +94,8 @@ def test_a_simulated_prompt_is_an_array_that_the_engine_keeps():
     at once: a list took 8 bytes a token, twice over), and the engine's Request keeps that kind for
     its prompt and its own copy of every token, which hash as the list's."""
     ids = Tokens(300, TemplateTokens(3, 2, 1)).encode([{"role": "user", "content": "one two three " * 50}])
-    assert isinstance(ids, array) and ids.itemsize == 4 and len(ids) == 3 + 2 + 150 + 1   # the template's tokens around the words
+    # The template's 3 + 2 tokens before the words and 1 after.
+    assert isinstance(ids, array) and ids.itemsize == 4 and len(ids) == 3 + 2 + 150 + 1
     request = Request("r", ids, SamplingParams(max_tokens=4))
     assert isinstance(request.all_token_ids, array) and request.all_token_ids is not ids
     request.append_output_token(7)

@@ -44,8 +44,6 @@ def die_with_parent() -> None:
         pass
 
 
-
-
 def _add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address instances reach the master at")
     parser.add_argument("--port", type=int, default=50051, help="the master's RPC port")
