@@ -4,9 +4,11 @@ simulated run through the block path (kv routing, DP, MTP, P/D with a KV pool) p
 same requests, the same scheduler and router decisions and the same figures as the text path;
 the routers' hashes of a session's prompts, each extended from the last (sim/routing.py's
 PromptHashes), are block_hashes' and a run with them is the run without; prompts held as arrays
-of 4-byte ids give the run of prompts held as lists."""
+of 4-byte ids give the run of prompts held as lists; the collector tuned for a virtual run
+(sim/virtual_loop.py) changes nothing in it and is put back after."""
 from __future__ import annotations
 
+import gc
 import json
 from array import array
 
@@ -18,7 +20,7 @@ from rackserve.serve.cli import main
 from rackserve.core.hashing import block_hashes
 from rackserve.core.request import Request
 from rackserve.sampling_params import SamplingParams
-from rackserve.sim import prompt_ids, routing
+from rackserve.sim import prompt_ids, routing, virtual_loop
 from rackserve.sim.chat_template import TemplateTokens
 from rackserve.sim.prompt_ids import BlockRenderer, Tokens
 from rackserve.sim.routing import PromptHashes
@@ -110,3 +112,23 @@ def test_a_run_is_the_same_with_prompts_as_lists(tmp_path, monkeypatch, args):
     encode = Tokens.encode
     monkeypatch.setattr(Tokens, "encode", lambda self, messages: list(encode(self, messages)))
     assert _run(tmp_path, "lists", args) == arrays
+
+
+def test_the_virtual_loop_tunes_the_collector_for_its_run_only():
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+
+    async def inside():
+        return gc.get_threshold(), gc.get_freeze_count()
+    during, frozen_during = virtual_loop.run_virtual(inside())
+    assert during == (virtual_loop.YOUNG_GC_THRESHOLD, *thresholds[1:]) and frozen_during > frozen
+    assert gc.get_threshold() == thresholds
+    # The heap frozen for the run is thawed after, unless something (an engine) had frozen it before.
+    assert gc.get_freeze_count() == 0 if not frozen else gc.get_freeze_count() >= frozen
+
+
+@ROUTED_RUNS
+def test_a_run_is_the_same_with_the_collectors_defaults(tmp_path, monkeypatch, args):
+    tuned = _run(tmp_path, "tuned", args)
+    monkeypatch.setattr(virtual_loop, "YOUNG_GC_THRESHOLD", gc.get_threshold()[0])
+    monkeypatch.setattr(virtual_loop.gc, "freeze", lambda: None)
+    assert _run(tmp_path, "defaults", args) == tuned
