@@ -1,5 +1,6 @@
 """The simulator's speed-ups change no decision: the prompt ids taken from the workload's blocks
-(sim/prompt_ids.py) are exactly the ids the rendered text gives word by word, and a whole
+(sim/prompt_ids.py) are exactly the ids the rendered text gives word by word (a session's prompt
+extended from its last one's ids too), and a whole
 simulated run through the block path (kv routing, DP, MTP, P/D with a KV pool) produces the
 same requests, the same scheduler and router decisions and the same figures as the text path;
 the routers' hashes of a session's prompts, each extended from the last (sim/routing.py's
@@ -52,6 +53,26 @@ def _run(tmp_path, name: str, args: list[str]) -> dict:
         for key in ("wall_seconds", "speedup"):
             run["sim"].pop(key)
     return {k: result[k] for k in ("runs", "workload_stats")}
+
+
+def test_prompt_ids_are_the_texts_whatever_the_sessions_last_prompt_was(monkeypatch):
+    """Tokens keeps a session's last prompt and extends its ids by the new blocks: prompts that
+    extend, shrink, part mid-way (a compaction), interleave with another session or a new play,
+    and overflow the kept ids give the ids of the text path all the same."""
+    monkeypatch.setattr(prompt_ids, "MAX_PROMPT_IDS", 64 * 14)     # about two prompts: evictions too
+    template = TemplateTokens(3, 2, 1)
+    text, blocks = Tokens(300, template), Tokens(300, template)
+    by_text, by_block = PromptRenderer(default_vocabulary(), 7), BlockRenderer(default_vocabulary(), 7)
+    prompts = [  # (hash ids, tokens, session, shared blocks, play)
+        (range(8), 8 * 64, "s", 1, 0), (range(10), 10 * 64 - 5, "s", 1, 0), (range(12), 12 * 64, "s", 1, 0),
+        (range(4), 4 * 64, "s", 1, 0), ([0, 1, 2, 99, 100, 101], 6 * 64, "s", 1, 0), (range(9), 9 * 64, "t", 1, 0),
+        ([0, 1, 2, 99, 100, 101, 102], 7 * 64 - 1, "s", 1, 0), (range(12), 12 * 64, "s", 1, 1),
+        (range(20), 20 * 64, "s", 1, 0), (range(21), 21 * 64, "s", 1, 0), (range(3), 100, "s", 0, 0)]
+    for hash_ids, tokens, session, shared, play in prompts:
+        prompt = (hash_ids, tokens, session, shared, f"[play {play} of test]")
+        assert blocks.encode(by_block.messages(*prompt)) == text.encode(by_text.messages(*prompt)), prompt
+    kept = sum(len(ids) for _, ids in blocks._prompts.values())
+    assert blocks._prompts and blocks._prompt_ids == kept <= prompt_ids.MAX_PROMPT_IDS
 
 
 def test_prompt_hashes_are_block_hashes_whatever_the_last_prompt_was():

@@ -5,7 +5,8 @@ and splitting them again on every request.
 `Tokens` maps words to ids in the order they first appear (ids wrap at the vocabulary's size).
 `BlockRenderer` is bench's PromptRenderer for the simulator: its messages carry `BlockText`
 (the play marker and the (namespace, key) of each block) instead of text, and `Tokens.encode`
-turns a block into ids once and reuses them. A block's words always get the same ids and are
+turns a block into ids once and reuses them, and a turn's prompt into its session's last prompt's ids
+plus those of its new blocks. A block's words always get the same ids and are
 met in the text's order, so the ids are exactly the text path's (tests/test_sim_speed.py
 checks it). The head (bench's play marker) is no workload text: it takes the server tokenizer's
 tokens where `Tokens` is given them (chat_template.marker_ids), as a served prompt does. This file owns that mapping; it must never decide token counts (workloads do) nor
@@ -28,6 +29,9 @@ from rackserve.sim.chat_template import TemplateTokens
 # LRU cycled by more than it holds keeps nothing). At ~590 bytes a kept block (its 4-byte array, key
 # and entry; measured), 2^22 are at most ~2.5 GB.
 MAX_CACHED_BLOCKS = 1 << 22
+# Ids kept of sessions' last prompts (4 bytes each): 768 lanes of AgentX prompts (~150K tokens at
+# their longest) hold ~115M; a run with more lanes than fit takes the blocks path for the rest.
+MAX_PROMPT_IDS = 1 << 27
 
 
 class BlockText(NamedTuple):
@@ -61,6 +65,10 @@ class Tokens:
         self.ids: dict[str, int] = {}
         self.vocab_size, self.template, self.marker = vocab_size, template, marker
         self._blocks: OrderedDict[tuple[str, int], array] = OrderedDict()    # a whole block's ids
+        # A session's last prompt (its blocks and their ids) by its head and first block, the least
+        # recently met dropped first: a turn extends its session's last prompt by a few blocks.
+        self._prompts: OrderedDict[tuple, tuple[tuple, array]] = OrderedDict()
+        self._prompt_ids = 0
 
     def _id(self, word: str) -> int:
         return self.ids.setdefault(word, len(self.ids) % self.vocab_size)
@@ -79,20 +87,43 @@ class Tokens:
         else:
             ids = array("I", [self._id(w) for w in content.head.split()])
         blocks, cache = content.blocks, self._blocks
-        for i, key in enumerate(blocks):
+        cut = bool(blocks) and content.last_words < content.renderer.block_size
+        ids += self._whole_blocks(content.head, blocks[:-1] if cut else blocks, content.renderer)
+        if cut:
+            # A cut block assigns ids to the words it uses only, as its text would.
+            key = blocks[-1]
             whole = cache.get(key)
             if whole is not None:
                 cache.move_to_end(key)
-            if i == len(blocks) - 1 and content.last_words < content.renderer.block_size:
-                # A cut block assigns ids to the words it uses only, as its text would.
-                ids.extend(whole[:content.last_words] if whole is not None else
-                           self._ids_of(content.renderer.block(*key)[:content.last_words]))
-                continue
-            if whole is None:
+            ids.extend(whole[:content.last_words] if whole is not None else
+                       self._ids_of(content.renderer.block(*key)[:content.last_words]))
+        return ids
+
+    def _whole_blocks(self, head: str, blocks: tuple, renderer: PromptRenderer) -> array:
+        """The ids of whole blocks: those of the last prompt that began with the same head and
+        block, where these blocks extend its blocks, then each new block's (kept, or drawn)."""
+        cache, memo = self._blocks, self._prompts
+        key = (head, blocks[0]) if blocks else None
+        last = memo.pop(key, None)
+        if last is not None and len(last[0]) <= len(blocks) and blocks[:len(last[0])] == last[0]:
+            ids, start = last[1], len(last[0])
+        else:
+            ids, start = array("I"), 0
+        if last is not None:
+            self._prompt_ids -= len(last[1])
+        for block in blocks[start:]:
+            whole = cache.get(block)
+            if whole is not None:
+                cache.move_to_end(block)
+            else:
                 if len(cache) >= MAX_CACHED_BLOCKS:   # a long run plays many sessions
                     cache.popitem(last=False)
-                whole = cache[key] = array("I", self._ids_of(content.renderer.block(*key)))
+                whole = cache[block] = array("I", self._ids_of(renderer.block(*block)))
             ids += whole
+        if key is not None and len(ids) <= MAX_PROMPT_IDS:
+            memo[key], self._prompt_ids = (blocks, ids), self._prompt_ids + len(ids)
+            while self._prompt_ids > MAX_PROMPT_IDS:
+                self._prompt_ids -= len(memo.popitem(last=False)[1][1])
         return ids
 
     def encode(self, messages: list[dict]) -> array:
