@@ -18,7 +18,7 @@ import selectors
 # prompts' block ids, the caches' blocks). Collecting the young generation every 700 allocations
 # rescans the survivors; freezing the heap built before the run (as the engine does after start-up,
 # engine/async_engine.py) and collecting the young every 50,000 took 6% off the CPU time of a
-# 60-second, 256-lane P/D rack run, the same figures out (docs/simulator.md, twenty-fourth round).
+# 60-second, 256-lane P/D rack run in a paired run, the same figures out (docs/simulator.md, "Speed").
 YOUNG_GC_THRESHOLD = 50_000
 
 
