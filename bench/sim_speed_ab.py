@@ -1,8 +1,8 @@
 """rackserve sim's wall time, and an engine's start-up, with two source trees one after the other.
 
 `--together` runs each config's two sides at once instead (one core each), which pairs them: on
-a shared VM the neighbours move a run's speed by 15% within minutes (the twenty-fourth round's
-sequential pairs of one change read 0.86-1.02x while its paired runs read 1.06-1.16x).
+a shared VM the neighbours move a run's speed by 15% within minutes (in the twenty-fourth round
+one tree run twice, one side after the other, read 0.86-0.98x; its change's paired runs 1.12-1.15x).
 
 Run it under the bench lock (see docs/simulator.md, "Speed"):
   flock /work/notes/bench.lock setsid sh -c 'echo -15 > /proc/self/autogroup; exec python
