@@ -6,7 +6,11 @@ A rank's idle time in a lockstep step is the slowest rank's busy time minus its 
 step's per-rank parts, and splits the idle of the steady window (the steps started while lanes
 started measured requests, as `dp_idle_share_steady`) into the slowest rank's lead in dense work
 (tokens: a rank short of a full chunk budget), in attention + indexer (chunks at a deeper
-context) and in MoE (the experts each rank holds). It changes nothing it measures.
+context) and in MoE (the experts each rank holds); and by the kind of step it came in: a rank
+with nothing scheduled, prompt chunks on some ranks only, on every rank, or decodes only (the
+ranks' decode counts equal or not), which says what a DP-rank choice could even out (a router can
+fill an empty rank or even out decode counts, but a prompt arriving on one rank is a chunk only
+that rank computes). It changes nothing it measures.
 
   python bench/sim_dp_idle.py --output bench/results/sim-dp-idle-r7.json -- <rackserve sim flags>
 """
@@ -35,21 +39,46 @@ def _record(step):
                           "context": [max((w.context for w in b), default=0) for b in batches],
                           "dense": [r.dense.seconds for r in result.ranks],
                           "attention": [r.attention.seconds for r in result.ranks],
-                          "moe": [r.moe.seconds for r in result.ranks]})
+                          "moe": [r.moe.seconds for r in result.ranks],
+                          "kinds": [rank_kind(b) for b in batches],
+                          "decodes": [len(b) for b in batches]})
         return result
     return wrapped
+
+
+def rank_kind(batch) -> str:
+    """"empty" (nothing scheduled), "prefill" (a prompt chunk among its sequences) or "decode"."""
+    if not batch:
+        return "empty"
+    return "prefill" if any(not w.samples or w.new_tokens > w.drafts + 1 for w in batch) else "decode"
+
+
+def step_kind(kinds: list[str], decodes: list[int]) -> str:
+    if "empty" in kinds:
+        return "a_rank_empty"
+    if "prefill" in kinds:
+        return "prefill_on_every_rank" if all(k == "prefill" for k in kinds) else "prefill_on_some_ranks"
+    return "decode_only_same_count" if len(set(decodes)) == 1 else "decode_only_counts_differ"
+
+
+STEP_KINDS = ("a_rank_empty", "prefill_on_some_ranks", "prefill_on_every_rank", "decode_only_counts_differ",
+              "decode_only_same_count")
 
 
 def split(steps: list[dict], budget: int) -> dict:
     """Idle seconds summed over ranks and steps, by what the slowest rank had more of."""
     out = {"steps": len(steps), "busy": 0.0, "idle": 0.0, "idle_dense": 0.0, "idle_attention": 0.0,
-           "idle_moe": 0.0, "idle_in_steps_with_a_rank_short_of_budget": 0.0, "steps_with_a_rank_short": 0}
+           "idle_moe": 0.0, "idle_in_steps_with_a_rank_short_of_budget": 0.0, "steps_with_a_rank_short": 0,
+           "idle_by_step_kind": dict.fromkeys(STEP_KINDS, 0.0), "steps_by_kind": dict.fromkeys(STEP_KINDS, 0)}
     for s in steps:
         busy = [d + a + m for d, a, m in zip(s["dense"], s["attention"], s["moe"])]
         slow = busy.index(max(busy))
         idle = sum(busy[slow] - b for b in busy)
         out["busy"] += sum(busy)
         out["idle"] += idle
+        kind = step_kind(s["kinds"], s["decodes"])
+        out["idle_by_step_kind"][kind] += idle
+        out["steps_by_kind"][kind] += 1
         for part in ("dense", "attention", "moe"):
             out[f"idle_{part}"] += sum(s[part][slow] - x for x in s[part])
         if min(s["tokens"]) < budget:
@@ -59,6 +88,7 @@ def split(steps: list[dict], budget: int) -> dict:
     out["idle_share"] = out["idle"] / total if total else 0.0
     for key in ("idle_dense", "idle_attention", "idle_moe", "idle_in_steps_with_a_rank_short_of_budget"):
         out[key + "_of_idle"] = out[key] / out["idle"] if out["idle"] else 0.0
+    out["step_kind_of_idle"] = {k: v / out["idle"] if out["idle"] else 0.0 for k, v in out["idle_by_step_kind"].items()}
     return out
 
 
