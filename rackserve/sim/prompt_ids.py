@@ -29,9 +29,12 @@ from rackserve.sim.chat_template import TemplateTokens
 # LRU cycled by more than it holds keeps nothing). At ~590 bytes a kept block (its 4-byte array, key
 # and entry; measured), 2^22 are at most ~2.5 GB.
 MAX_CACHED_BLOCKS = 1 << 22
-# Ids kept of sessions' last prompts (4 bytes each): 768 lanes of AgentX prompts (~150K tokens at
-# their longest) hold ~115M; a run with more lanes than fit takes the blocks path for the rest.
-MAX_PROMPT_IDS = 1 << 27
+# Ids kept of sessions' last prompts (4 bytes each, at most 4 GiB, held only as lanes need them):
+# lanes meet their sessions in turn, so a memo smaller than the live sessions' prompts keeps nothing
+# (the least recently met is the next met) and every turn walks its prompt's blocks, redrawing those
+# the block LRU cycled out too. 1,792 lanes at AgentX's mean request prompt (284K tokens) hold ~510M
+# ids; with 2^27 kept such a run spent over half its time there (py-spy). 2^30 holds ~3,700 lanes.
+MAX_PROMPT_IDS = 1 << 30
 
 
 class BlockText(NamedTuple):
