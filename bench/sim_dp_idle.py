@@ -54,6 +54,7 @@ def rank_kind(batch) -> str:
 
 
 def step_kind(kinds: list[str], decodes: list[int]) -> str:
+    """One of STEP_KINDS from the ranks' kinds and their sequence counts."""
     if "empty" in kinds:
         return "a_rank_empty"
     if "prefill" in kinds:
@@ -66,7 +67,8 @@ STEP_KINDS = ("a_rank_empty", "prefill_on_some_ranks", "prefill_on_every_rank", 
 
 
 def split(steps: list[dict], budget: int) -> dict:
-    """Idle seconds summed over ranks and steps, by what the slowest rank had more of."""
+    """Idle seconds summed over ranks and steps, by what the slowest rank had more of and by the kind
+    of step (`step_kind`)."""
     out = {"steps": len(steps), "busy": 0.0, "idle": 0.0, "idle_dense": 0.0, "idle_attention": 0.0,
            "idle_moe": 0.0, "idle_in_steps_with_a_rank_short_of_budget": 0.0, "steps_with_a_rank_short": 0,
            "idle_by_step_kind": dict.fromkeys(STEP_KINDS, 0.0), "steps_by_kind": dict.fromkeys(STEP_KINDS, 0)}
