@@ -169,13 +169,14 @@ def main() -> None:
             row["speedup_user"] = round(row["old"]["user_s"] / row["new"]["user_s"], 2)
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
-        code = None if args.no_start else START.format(
-            tests=os.path.join(trees["new"], "tests"), model=os.path.join(tmp, "tiny"), gib=args.start_kv_gib)
-        for side, tree in trees.items() if code else ():
-            out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                                 **in_tree(tree)).stdout.split()
-            report["start"][side] = {"llm_build_s": round(float(out[0]), 3), "kv_blocks": int(out[1]),
-                                     "kv_cache_memory_gib": args.start_kv_gib, "load": load()}
+        if not args.no_start:
+            code = START.format(tests=os.path.join(trees["new"], "tests"), model=os.path.join(tmp, "tiny"),
+                                gib=args.start_kv_gib)
+            for side, tree in trees.items():
+                out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                     **in_tree(tree)).stdout.split()
+                report["start"][side] = {"llm_build_s": round(float(out[0]), 3), "kv_blocks": int(out[1]),
+                                         "kv_cache_memory_gib": args.start_kv_gib, "load": load()}
         print(json.dumps(report["start"]), flush=True)
     with open(args.output, "w") as f:
         json.dump(report, f, indent=1)
