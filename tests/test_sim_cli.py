@@ -81,6 +81,24 @@ def test_prefill_decode_disaggregation(tmp_path):
                for r in measured)
 
 
+def test_pd_decode_pool_is_picked_by_load_whatever_the_policy(tmp_path):
+    """As the router's P/D (router/disagg.py): `--router-policy` picks the prefill worker and the
+    decode pool's worker is picked by load (DecodeLoadPolicy). With one prefill worker the policy
+    then has nothing to pick, so the runs of three policies are the same run; kv_prefill once
+    routed decodes by uncached work too and left a decode rank idle more often."""
+    runs = {}
+    for policy in ("least_load", "kv_prefill", "kv"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["sim", "--model", "qwen3-30b-a3b", "--hardware", "H100", "--prefill", "1", "--decode", "1",
+                     "--data-parallel-size", "2", "--enable-expert-parallel", "--prefill-data-parallel-size", "1",
+                     "--prefill-max-num-batched-tokens", "8192", "--kv-cache-memory", "10", "--scale", "0.05",
+                     "--max-model-len", "32768", "--concurrency", "8", "--duration", "10", "--router-policy", policy,
+                     "--output", str(out), "--summary-only"]) == 0
+        run = json.loads(out.read_text())["runs"][0]
+        runs[policy] = (run["summary"]["completed"], run["summary"]["throughput_per_device"], run["sim"]["dp_idle_share"])
+    assert runs["least_load"][0] > 0 and runs["least_load"] == runs["kv_prefill"] == runs["kv"]
+
+
 def test_least_uncached_placement_keeps_sessions_on_their_cache(tmp_path):
     """Placing a request on the DP rank with the least uncached work (its prefix hits counted) finds
     more of the cache than the engine's least-load placement, which ignores where prefixes live."""

@@ -233,7 +233,7 @@ class SimSetup:
             computes = self.prefill is None   # under P/D the prefill pool computes prompts and uses the KV pool
             block_size = self.config.cache.block_size
             pin = self.dp_placement == "router"
-            router = make_router(self.router_policy, block_size, seed, pin, clock)
+            router = make_router(self.router_policy, block_size, seed, pin, clock, decode_pool=not computes)
             fabric = fabrics[0]
             instances = [SimInstance(i, self.engine(seed + i, pool if computes else None, i, fabric, clock), clock,
                                      router.observe) for i in range(self.instances)]

@@ -1,6 +1,8 @@
 """Routing between simulated instances (`--router-policy`): the cluster router's own policies
 (router/policies.py: kv, prefix, least_load, round_robin) fed as the real router feeds them, and
-`least_uncached`, which has no router equivalent.
+`least_uncached`, which has no router equivalent. Under P/D the decode instances are picked as the
+router picks its decode pool (router/disagg.py: policies.DecodeLoadPolicy, whatever `--router-policy`
+names), and the policy picks the prefill instance.
 
 For the router's policies a `ClusterRouter` keeps router/'s KVIndex and ActiveLoads: every step
 of every simulated instance hands its DP ranks' KV events (the engine's own BlockPool events, with
@@ -24,7 +26,7 @@ from rackserve.core.request import Request
 from rackserve.core.scheduler import Scheduler
 from rackserve.router.index import KVIndex, WorkerKey
 from rackserve.router.load import ActiveLoads, uncached_prefill_blocks
-from rackserve.router.policies import ROUTING_POLICIES, create_policy
+from rackserve.router.policies import ROUTING_POLICIES, DecodeLoadPolicy, RoutingPolicy, create_policy
 
 OWN_POLICIES = ("least_uncached",)
 
@@ -105,13 +107,13 @@ class ClusterRouter(SimRouter):
     """router/policies.py's policy over router/'s KV index and predicted loads."""
     uses_kv_events = True
 
-    def __init__(self, policy: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
+    def __init__(self, policy: str | RoutingPolicy, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
                  clock: Callable[[], float] | None = None):
-        """`pin_dp_rank`: the request goes to the chosen worker's DP rank (as rackserve router pins
+        """`policy`: a router policy's name, or the policy. `pin_dp_rank`: the request goes to the chosen worker's DP rank (as rackserve router pins
         `data_parallel_rank`); False: to its instance only, the engine placing it. `clock`: the
         virtual time, with which the loads learn kv's prices as the router's do (none: blocks)."""
         super().__init__()
-        self.policy = create_policy(policy, seed=seed)
+        self.policy = create_policy(policy, seed=seed) if isinstance(policy, str) else policy
         self.block_size, self.pin_dp_rank = block_size, pin_dp_rank
         self.index, self.loads = KVIndex(block_size), ActiveLoads(clock)
 
@@ -190,9 +192,11 @@ def policy_names() -> list[str]:
 
 
 def make_router(name: str, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
-                clock: Callable[[], float] | None = None) -> SimRouter:
+                clock: Callable[[], float] | None = None, decode_pool: bool = False) -> SimRouter:
+    """The router of `--router-policy name`; `decode_pool`: the one for P/D's decode instances,
+    which the router picks by load whatever its policy (least_uncached keeps its own rule)."""
     if name == "least_uncached":
         return LeastUncached()
     if name not in ROUTING_POLICIES:
         raise ValueError(f"unknown router policy {name!r}; known: {policy_names()}")
-    return ClusterRouter(name, block_size, seed, pin_dp_rank, clock)
+    return ClusterRouter(DecodeLoadPolicy(seed=seed) if decode_pool else name, block_size, seed, pin_dp_rank, clock)
