@@ -10,7 +10,8 @@ context) and in MoE (the experts each rank holds); and by the kind of step it ca
 with nothing scheduled, prompt chunks on some ranks only, on every rank, or decodes only (the
 ranks' decode counts equal or not), which says what a DP-rank choice could even out (a router can
 fill an empty rank or even out decode counts, but a prompt arriving on one rank is a chunk only
-that rank computes). It changes nothing it measures.
+that rank computes). Under P/D the prefill and decode groups' steady idle is also given apart, by
+DP size (`steady_by_dp_size`). It changes nothing it measures.
 
   python bench/sim_dp_idle.py --output bench/results/sim-dp-idle-r7.json -- <rackserve sim flags>
 """
@@ -20,10 +21,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import time
 
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.serve.cli import main as cli_main
 from rackserve.sim import cost
 
@@ -34,7 +35,7 @@ def _record(step):
     def wrapped(self, batches):
         result = step(self, batches)
         if len(result.ranks) > 1 and any(batches):
-            STEPS.append({"start": asyncio.get_running_loop().time(),
+            STEPS.append({"start": asyncio.get_running_loop().time(), "ranks": len(result.ranks),
                           "tokens": [sum(w.new_tokens for w in b) for b in batches],
                           "context": [max((w.context for w in b), default=0) for b in batches],
                           "dense": [r.dense.seconds for r in result.ranks],
@@ -110,11 +111,16 @@ def main() -> None:
     # The steady window's bounds, from the record of the run (as sim/instance.py takes them).
     starts = [r["start"] for r in run["requests"] if r["kind"] != "warmup"] or [0.0]
     report = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv),
-              "cpu": platform.processor(), "wall_s": round(time.time() - start, 1), "sim": run["sim"],
-              "summary": {k: v for k, v in run["summary"].items() if not isinstance(v, dict)},
+              "cpu": cpu_identity(), "wall_s": round(time.time() - start, 1), "sim": run["sim"],
+              "summary": {k: v for k, v in run["summary"].items() if not isinstance(v, dict) or k == "ttft"},
               "whole_run": split(STEPS, args.budget),
-              "steady": split([s for s in STEPS if min(starts) <= s["start"] <= max(starts)], args.budget)}
-    print(json.dumps({k: report[k] for k in ("sim", "whole_run", "steady")}, indent=1))
+              "steady": split(steady := [s for s in STEPS if min(starts) <= s["start"] <= max(starts)], args.budget)}
+    # Under P/D the prefill and decode groups differ in size: their idle apart, by DP size.
+    sizes = sorted({s["ranks"] for s in STEPS})
+    if len(sizes) > 1:
+        report["steady_by_dp_size"] = {n: split([s for s in steady if s["ranks"] == n], args.budget) for n in sizes}
+    print(json.dumps({k: report[k] for k in ("sim", "whole_run", "steady", "steady_by_dp_size") if k in report},
+                     indent=1))
     with open(args.output, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
+
+from rackserve.cpu_dtype import cpu_identity
 
 SIM = ["sim", "--model", "deepseek-v4.1-flash", "--hardware", "GB300", "--enable-expert-parallel",
        "--num-speculative-tokens", "3", "--acceptance-rate", "0.8", "--seed", "0"]
@@ -147,7 +148,7 @@ def main() -> None:
     trees = {"old": os.path.abspath(args.old), "new": os.path.abspath(args.new)}
     for tree in trees.values():
         check_tree(tree)
-    report = {"what": __doc__.splitlines()[0], "cpu": platform.processor() or platform.machine(),
+    report = {"what": __doc__.splitlines()[0], "cpu": cpu_identity(),
               "command": " ".join(sys.argv), "trees": trees, "runs": [], "start": {}}
     with open("/proc/cpuinfo") as f:
         report["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
