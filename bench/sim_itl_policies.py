@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from rackserve.core.scheduler import Scheduler
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.sim import cli
 from rackserve.sim.cost import CostModel
 
@@ -96,7 +97,7 @@ def main() -> int:
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     levels, seeds = [int(x) for x in a.levels.split(",")], [int(x) for x in a.seeds.split(",")]
-    results = {"command": sys.argv, "hardware": a.hardware, "seeds": seeds, "duration": a.duration, "policies": {}}
+    results = {"command": sys.argv, "cpu": cpu_identity(), "hardware": a.hardware, "seeds": seeds, "duration": a.duration, "policies": {}}
     for policy in a.policies.split():
         t = time.time()
         table = pooled([run(policy, seed, levels, a.duration, a.hardware) for seed in seeds], levels)
