@@ -97,7 +97,8 @@ def main() -> int:
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     levels, seeds = [int(x) for x in a.levels.split(",")], [int(x) for x in a.seeds.split(",")]
-    results = {"command": sys.argv, "cpu": cpu_identity(), "hardware": a.hardware, "seeds": seeds, "duration": a.duration, "policies": {}}
+    results = {"command": sys.argv, "cpu": cpu_identity(), "hardware": a.hardware, "seeds": seeds,
+               "duration": a.duration, "policies": {}}
     for policy in a.policies.split():
         t = time.time()
         table = pooled([run(policy, seed, levels, a.duration, a.hardware) for seed in seeds], levels)

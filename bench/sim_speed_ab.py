@@ -150,9 +150,6 @@ def main() -> None:
         check_tree(tree)
     report = {"what": __doc__.splitlines()[0], "cpu": cpu_identity(),
               "command": " ".join(sys.argv), "trees": trees, "runs": [], "start": {}}
-    with open("/proc/cpuinfo") as f:
-        report["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                             report["cpu"])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             row = {"config": name, "together": args.together}

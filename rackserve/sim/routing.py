@@ -109,9 +109,10 @@ class ClusterRouter(SimRouter):
 
     def __init__(self, policy: str | RoutingPolicy, block_size: int, seed: int = 0, pin_dp_rank: bool = True,
                  clock: Callable[[], float] | None = None):
-        """`policy`: a router policy's name, or the policy. `pin_dp_rank`: the request goes to the chosen worker's DP rank (as rackserve router pins
-        `data_parallel_rank`); False: to its instance only, the engine placing it. `clock`: the
-        virtual time, with which the loads learn kv's prices as the router's do (none: blocks)."""
+        """`policy`: a router policy's name, or the policy itself. `pin_dp_rank`: the request goes
+        to the chosen worker's DP rank (as rackserve router pins `data_parallel_rank`); False: to its
+        instance only, the engine placing it. `clock`: the virtual time, with which the loads learn
+        kv's prices as the router's do (none: blocks)."""
         super().__init__()
         self.policy = create_policy(policy, seed=seed) if isinstance(policy, str) else policy
         self.block_size, self.pin_dp_rank = block_size, pin_dp_rank
