@@ -110,13 +110,14 @@ def main() -> None:
     os.remove(run_json)
     # The steady window's bounds, from the record of the run (as sim/instance.py takes them).
     starts = [r["start"] for r in run["requests"] if r["kind"] != "warmup"] or [0.0]
+    steady = [s for s in STEPS if min(starts) <= s["start"] <= max(starts)]
     report = {"what": __doc__.splitlines()[0], "command": " ".join(sys.argv),
               "cpu": cpu_identity(), "wall_s": round(time.time() - start, 1), "sim": run["sim"],
               "summary": {k: v for k, v in run["summary"].items() if not isinstance(v, dict) or k == "ttft"},
               "whole_run": split(STEPS, args.budget),
-              "steady": split(steady := [s for s in STEPS if min(starts) <= s["start"] <= max(starts)], args.budget)}
+              "steady": split(steady, args.budget)}
     # Under P/D the prefill and decode groups differ in size: their idle apart, by DP size.
-    sizes = sorted({s["ranks"] for s in STEPS})
+    sizes = sorted({s["ranks"] for s in steady})
     if len(sizes) > 1:
         report["steady_by_dp_size"] = {n: split([s for s in steady if s["ranks"] == n], args.budget) for n in sizes}
     print(json.dumps({k: report[k] for k in ("sim", "whole_run", "steady", "steady_by_dp_size") if k in report},
