@@ -27,7 +27,7 @@ from tests.tokenizer_utils import save_test_tokenizer
 def tiny(tmp_path_factory) -> tuple[str, str]:
     """(model dir, tokenizer dir): one tiny Llama for every cluster here."""
     root = tmp_path_factory.mktemp("cluster")
-    model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=512, max_position_embeddings=512)
+    model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=512, max_position_embeddings=2048)
     save_test_tokenizer(str(root / "tok"), 512)
     return model, str(root / "tok")
 
@@ -39,8 +39,8 @@ def child_pids(log: str) -> list[int]:
 
 def start_cluster(model: str, tokenizer: str, log: Path) -> tuple[subprocess.Popen, str]:
     return start_command(["cluster", "--instances", "2", "--model", model, "--tokenizer", tokenizer,
-                          "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "512",
-                          "--num-gpu-blocks-override", "64", "--threads", "2", "--health-interval", "0.3"], log)
+                          "--served-model-name", "tiny", "--device", "cpu", "--max-model-len", "2048",
+                          "--num-gpu-blocks-override", "512", "--threads", "2", "--health-interval", "0.3"], log)
 
 
 def alive(pid: int) -> bool:
@@ -55,9 +55,12 @@ def alive(pid: int) -> bool:
         return False
 
 
+STREAM_TOKENS = 1900   # ~4 s of a tiny model's steps here: room for a test process the CI machine starves
+
+
 def _stream(url: str, prompt: str) -> list[str]:
     """A completions stream's data lines, through [DONE] (the test fails if it is cut off)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line]
     assert resp.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
@@ -93,7 +96,7 @@ def test_an_instance_killed_mid_run_is_routed_around_and_started_again(tiny, tmp
                 # since the streams began over their number; with 100 or more still to make it needs
                 # more steps than the moment before the SIGSTOP can hold.
                 made = totals.get("rackserve:generation_tokens_total", 0.0) - generated
-                far = made <= (480 - 100) * max(running, 1.0)
+                far = made <= (STREAM_TOKENS - 100) * max(running, 1.0)
                 if min(_active(url)) >= 1 and running >= 1 and far:
                     break
                 assert far, "instance 0 ran its streams too far before the test saw them; nothing to cut"
