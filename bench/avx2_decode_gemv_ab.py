@@ -16,7 +16,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import tempfile
 
 import numpy as np
 
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.model import native
 
 CSRC = os.path.join(os.path.dirname(native.__file__), "csrc")
@@ -157,8 +157,7 @@ def main() -> None:
                       f"{results[threads][base]['median_step_ms'] / v['median_step_ms']:.3f}x {base}'s speed, "
                       f"plain read {v['median_read_ms']:.3f} ms", flush=True)
     if args.output:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor())
+        cpu = cpu_identity()
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "cpu": cpu, "bytes_a_step": total,
                        "sides": {label: spec for label, (_, _, spec) in sides.items()}, "max_abs_diff": mismatch,

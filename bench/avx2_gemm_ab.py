@@ -14,7 +14,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.model import native
 from rackserve.model.native_ops import _SIGNATURES
 from rackserve.model.quant.avx2_linear import Avx2Linear
@@ -130,8 +130,7 @@ def main() -> None:
                     print(f"th {threads} {out:5d}x{k:<5d} rows {n:4d}: A {gf['A']:6.1f}  B {gf['B']:6.1f} GFLOP/s  "
                           f"B/A {row['b_over_a_speed']:.2f}x{dense}  err A {err['A']:.1e} B {err['B']:.1e}", flush=True)
     if args.output:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor())
+        cpu = cpu_identity()
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "cpu": cpu, "ref": args.ref, "a_file": args.a_file,
                        "b_file": args.b_file, "load_before": load_before, "load_after": os.getloadavg(),

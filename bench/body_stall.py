@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.unread_streams import _cpu_model, _rss_mb  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
+from bench.unread_streams import _rss_mb  # noqa: E402
 from tests.server_utils import start_server  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 from tests.tokenizer_utils import save_test_tokenizer  # noqa: E402
@@ -95,7 +96,7 @@ def main() -> None:
     max_len = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
     bodies = {**BODIES, **_tokenizer_bodies(tokenizer, max_len)}
     kinds = args.only.split(",") if args.only else list(bodies)
-    result: dict = {"command": " ".join(sys.argv), "cpu": _cpu_model(), "loadavg_before": os.getloadavg(),
+    result: dict = {"command": " ".join(sys.argv), "cpu": cpu_identity(), "loadavg_before": os.getloadavg(),
                     "body_bytes": SIZE, "max_model_len": max_len, "kinds": {}}
     streams: list[list[float]] = []   # chunk times of each reading stream in turn
     stop = threading.Event()

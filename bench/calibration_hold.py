@@ -17,6 +17,8 @@ import sys
 import time
 import urllib.request
 
+from rackserve.cpu_dtype import cpu_identity
+
 R = "bench/results/"
 
 
@@ -78,7 +80,7 @@ def main() -> None:
     steps.append({"command": "end of holds", "load_before": os.getloadavg()[0]})
     run(fwd + ["--mode", "decode", "--batch-sizes", "1,4", "--context-lens", "4096,7000", "--seconds", "2",
                "--output", R + f"forward-decode-{n}-long.json"])
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
+    cpu = cpu_identity()
     with open(R + f"measure-load-{n}.json", "w") as f:
         json.dump({"cpu": cpu, "note": args.note, "steps": steps}, f, indent=1)
     prefill = " ".join(R + f"forward-prefill-{n}-{c}.json" for c in [*chunks, "b4", "n64-long"])

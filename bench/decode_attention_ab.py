@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 
 import torch
 
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.model import native
 from rackserve.model.native_ops import _SIGNATURES
 
@@ -128,8 +128,7 @@ def main() -> None:
                       f"(p10 {row['p10_us']:.1f}), K/V {row['kv_gbps']:5.1f} GB/s, {row['speed_over_first']:.2f}x "
                       f"{first}, max|diff| {row['max_abs_diff']:.1e}", flush=True)
     if args.output:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor())
+        cpu = cpu_identity()
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "cpu": cpu, "isa": args.isa, "load_before": load_before,
                        "load_after": os.getloadavg(), "rows": rows}, f, indent=1)

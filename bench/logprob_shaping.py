@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.unread_streams import _cpu_model  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from rackserve.outputs import Logprob  # noqa: E402
 from rackserve.serve.protocol import (ChatCompletionResponse, ChatCompletionResponseChoice,  # noqa: E402
                                       ChatResponseMessage, UsageInfo)
@@ -74,7 +74,7 @@ def main() -> None:
     ids = [next(iter(step)) for step in steps]
     gc.collect()
     gc.freeze()   # as the server does after start-up: only what serving allocates is scanned
-    result = {"command": " ".join(sys.argv), "cpu": _cpu_model(), "loadavg_before": os.getloadavg(), "runs": []}
+    result = {"command": " ".join(sys.argv), "cpu": cpu_identity(), "loadavg_before": os.getloadavg(), "runs": []}
     for n in map(int, args.choices.split(",")):
         choices = [(i, ChoiceState(text="x", token_ids=ids, logprobs=steps, finish_reason="length"))
                    for i in range(n)]

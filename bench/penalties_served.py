@@ -26,8 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.penalties_step import _cpu_family_model  # noqa: E402
-from bench.unread_streams import _cpu_model  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from tests.server_utils import start_server  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
@@ -100,7 +99,7 @@ def main() -> None:
     output = Path(args.output).resolve()
     root = Path(tempfile.mkdtemp(prefix="penalties-served-"))
     model = build_tiny_model("LlamaForCausalLM", root / "model", vocab_size=VOCAB, max_position_embeddings=8400)
-    result = {"command": " ".join(sys.argv), "cpu": f"{_cpu_model()} ({_cpu_family_model()})",
+    result = {"command": " ".join(sys.argv), "cpu": cpu_identity(),
               "loadavg_before": os.getloadavg(), "n": args.n, "prompt_tokens": args.prompt_tokens,
               "max_tokens": args.max_tokens, "sampling": args.sampling, "runs": []}
     for _ in range(args.rounds):

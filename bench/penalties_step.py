@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.unread_streams import _cpu_model  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from rackserve.model.penalties import PenaltyRows  # noqa: E402
 from rackserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -97,21 +97,12 @@ def run_case(vocab: int, batch: int, penalised: int, prompt_len: int, outputs: i
             **{f"{way}_ms_max": round(max(t) * 1e3, 2) for way, t in times.items()}}
 
 
-def _cpu_family_model() -> str:
-    """'family F model M' from /proc/cpuinfo (Zen 1 is family 23 model 1)."""
-    fields = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines()[:12]:
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
-    result = {"command": " ".join(sys.argv), "cpu": f"{_cpu_model()} ({_cpu_family_model()})", "torch_threads": torch.get_num_threads(),
+    result = {"command": " ".join(sys.argv), "cpu": cpu_identity(), "torch_threads": torch.get_num_threads(),
               "loadavg_before": os.getloadavg(), "runs": []}
     repetition = SamplingParams(repetition_penalty=1.1)
     all_three = SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)

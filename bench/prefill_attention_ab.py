@@ -12,7 +12,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 
 import torch
 
+from rackserve.cpu_dtype import cpu_identity
 from rackserve.model import native
 from rackserve.model.native_ops import _SIGNATURES
 
@@ -103,8 +103,7 @@ def main() -> None:
                       f"({row['gflops_a']:5.1f} GFLOP/s)  B {row['median_ms_b']:8.3f} ms ({row['gflops_b']:5.1f})  "
                       f"B/A speed {row['b_over_a_speed']:.2f}x  max|A-B| {diff:.1e}", flush=True)
     if args.output:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor())
+        cpu = cpu_identity()
         with open(args.output, "w") as f:
             json.dump({"command": " ".join(sys.argv), "cpu": cpu, "isa": args.isa, "ref": args.ref,
                        "load_before": load_before,

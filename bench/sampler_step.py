@@ -29,8 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.penalties_step import _cpu_family_model  # noqa: E402
-from bench.unread_streams import _cpu_model  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from rackserve.model import sampler as after  # noqa: E402
 from rackserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -87,7 +86,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
     before = load_before(args.before)
-    result = {"command": " ".join(sys.argv), "cpu": f"{_cpu_model()} ({_cpu_family_model()})",
+    result = {"command": " ".join(sys.argv), "cpu": cpu_identity(),
               "torch_threads": torch.get_num_threads(), "loadavg_before": os.getloadavg(), "runs": []}
     # Logits scale 3: top_p 0.9 keeps a few hundred to a few thousand tokens a row (past the old
     # 256 window); scale 6: a few dozen, within it.

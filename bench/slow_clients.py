@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from tests.server_utils import start_command, stop_all  # noqa: E402
 from tests.test_slow_clients import CHAT, StubInstance, _trickled_head_answer  # noqa: E402
 from tests.tokenizer_utils import save_test_tokenizer  # noqa: E402
@@ -105,8 +105,7 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, help="a directory holding the baseline's rackserve package")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_identity()
     result = {"command": "bench/slow_clients.py " + " ".join(sys.argv[1:]), "cpu": cpu,
               "loadavg_before": os.getloadavg(), "baseline": {}, "this": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from tests.server_utils import metric_totals, start_server  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 from tests.tokenizer_utils import save_test_tokenizer  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
                               "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "8000"],
                              root / "server.log")
     host, port = url.removeprefix("http://").split(":")
-    result: dict = {"command": " ".join(sys.argv), "cpu": _cpu_model(),
+    result: dict = {"command": " ".join(sys.argv), "cpu": cpu_identity(),
                     "loadavg_before": os.getloadavg(), "clients": args.clients, "n": args.n,
                     "logprobs": args.logprobs}
     try:
@@ -115,12 +116,6 @@ def main() -> None:
     Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "unread_rss_mb_samples"}, indent=1))
 
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
