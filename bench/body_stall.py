@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from bench.unread_streams import _rss_mb  # noqa: E402
+from rackserve.cpu_dtype import cpu_identity  # noqa: E402
 from tests.server_utils import start_server  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 from tests.tokenizer_utils import save_test_tokenizer  # noqa: E402
