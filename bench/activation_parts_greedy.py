@@ -61,7 +61,6 @@ def main() -> None:
     path = smollm2_gguf_path()
     load = dict(gguf_file=os.path.basename(path))
     f32 = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **load).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), **load)
     messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": c}] for c in CHATS]
     results = {}
     for mode in MODES:
@@ -73,8 +72,7 @@ def main() -> None:
         results[mode] = {"chats": chats, **summary(chats)}
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.bfloat16, **load).eval()
     chats = []
-    for m in messages:
-        prompt = list(tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)["input_ids"])
+    for prompt in (list(o.prompt_token_ids) for o in outs):     # the engine's prompts, the same for every row
         with torch.inference_mode():
             out = bf16.generate(torch.tensor([prompt]), max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
                                 do_sample=False)[0, len(prompt):].tolist()
