@@ -4,7 +4,9 @@ over --max-tokens tokens, or it diverges where each side's token is in the other
 transformers' own bfloat16 run (the offline peer's numerics, bench throughput's HF) is judged by the
 same rule for scale. The prompts carry a long system message so that every prompt chunk is a call of
 64+ rows, where the modes differ (vnni_linear.PARTS_MIN_ROWS); the eight chats are batched in one
-engine, as an offline run batches them. It serves nothing and times nothing.
+engine, as an offline run batches them. The modes run over a float32 KV cache; a last engine row
+runs the engine's defaults on this machine (--packed-activations and --kv-cache-dtype auto: adaptive
+and float16 under the vnni kernel). It serves nothing and times nothing.
 
     python bench/activation_parts_greedy.py --output bench/results/activation-parts-greedy-smollm2-zen5-s30.json
 """
@@ -33,7 +35,11 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "Write a short story about a robot who learns to paint, in about a hundred words.",
          "What are the differences between TCP and UDP? Give two uses of each."]
 SYSTEM = "You are a helpful assistant. " * 12
-MODES = ("two-part", "adaptive", "one-part")
+# Each mode over a float32 KV cache, then the engine's own auto choices.
+MODES = {"two-part": {"packed_activations": "two-part", "kv_cache_dtype": "float32"},
+         "adaptive": {"packed_activations": "adaptive", "kv_cache_dtype": "float32"},
+         "one-part": {"packed_activations": "one-part", "kv_cache_dtype": "float32"},
+         "defaults (auto)": {}}
 
 
 def judge(f32, prompt: list[int], ours: list[int], our_top5) -> dict:
@@ -63,10 +69,13 @@ def main() -> None:
     f32 = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32, **load).eval()
     messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": c}] for c in CHATS]
     results = {}
-    for mode in MODES:
+    for mode, flags in MODES.items():
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=5)
-        with LLM(path, dtype="float32", device="cpu", packed_activations=mode) as llm:
+        with LLM(path, dtype="float32", device="cpu", **flags) as llm:
             outs = llm.chat(messages, params)
+            if not flags:
+                m, c = llm.engine.config.model, llm.engine.config.cache
+                mode = f"defaults ({m.packed_activations}, KV {c.cache_dtype or m.dtype})"
         chats = [judge(f32, o.prompt_token_ids, list(o.outputs[0].token_ids),
                        lambda i, o=o: set(o.outputs[0].logprobs[i])) for o in outs]
         results[mode] = {"chats": chats, **summary(chats)}

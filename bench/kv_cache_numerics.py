@@ -6,7 +6,9 @@ every position's attention reads its context's K and V rounded to the cache's dt
 step would read them (the native prefill kernel reads the cache in place). Not bfloat16: its
 prefill takes the torch path, which attends over a fresh prompt's own unrounded K and V. Each run's logits are compared with
 transformers' float32 run on the dequantized GGUF (and transformers' bfloat16 run, for scale):
-max |logit diff|, mean and max KL, top-1 agreement. Writes them as JSON.
+max |logit diff|, mean and max KL, top-1 agreement. These rows keep two activation parts; a last
+engine row runs the engine's defaults on this machine (the cache and --packed-activations that
+`auto` picks, from EngineArgs). Writes them as JSON.
 
     python bench/kv_cache_numerics.py --output bench/results/kv-cache-numerics-smollm2.json
 """
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from activation_parts_numerics import (compare, prompt_arguments, smollm2_prompt, transformers_model,  # noqa: E402
                                        write_results)
 
-from rackserve.config import KV_CACHE_DTYPE_NAMES, ModelConfig  # noqa: E402
+from rackserve.config import KV_CACHE_DTYPE_NAMES, EngineArgs, ModelConfig  # noqa: E402
 from rackserve.model.loader import load_model  # noqa: E402
 from tests.test_model_parity import prefill_logits  # noqa: E402  (one prefill through a paged cache)
 
@@ -47,6 +49,11 @@ def main() -> None:
         cache_dtype = getattr(torch, KV_CACHE_DTYPE_NAMES.get(dtype, dtype))
         rows.append({"kv_cache_dtype": dtype, **compare(ref, prefill_logits(model, info, ids[0].tolist(),
                                                                             cache_dtype).float())})
+    config = EngineArgs(model=path, device="cpu").create_engine_config()
+    model, info = load_model(config.model)
+    cache_dtype = config.cache.cache_dtype or config.model.dtype
+    rows.append({"kv_cache_dtype": f"{cache_dtype}, {config.model.packed_activations} activations (the defaults)",
+                 **compare(ref, prefill_logits(model, info, ids[0].tolist(), getattr(torch, cache_dtype)).float())})
     bf16 = transformers_model(path, torch.bfloat16)
     with torch.no_grad():
         rows.append({"kv_cache_dtype": "transformers bfloat16 (all of it)", **compare(ref, bf16(ids).logits[0].float())})

@@ -34,6 +34,7 @@ class ModelConfig:
     native_isa: str = "auto"        # build of the native library: "avx512" | "avx2" | "none" (model/native.py)
     native_isa_reason: str = ""     # why that build, for the startup log
     packed_activations: str = "two-part"   # the vnni kernel's activations: two int8 parts, adaptive, one part
+    packed_activations_reason: str = ""    # why those, for the startup log
 
 # --kv-cache-dtype's vLLM names of the 8-bit float caches -> the torch dtype names CacheConfig holds.
 KV_CACHE_DTYPE_NAMES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -46,6 +47,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None
     cache_dtype: str | None = None      # torch dtype name of the KV cache; None: the model's dtype
+    cache_dtype_reason: str = ""        # why that dtype, for the startup log
 
 
 @dataclass(frozen=True)
@@ -317,12 +319,13 @@ class EngineArgs:
                              "VNNI, built once with g++), avx2 (the same with AVX2), int4 (torch's int4 "
                              "kernel); auto: the --native-isa build's (vnni, avx2), else int4",
                              choices=["auto", "vnni", "avx2", "int4"])
-    packed_activations: str = _opt("two-part", "int8 parts of each 32-value block of activations the vnni "
+    packed_activations: str = _opt("auto", "int8 parts of each 32-value block of activations the vnni "
                                    "kernel multiplies in calls of 64+ rows (prompt chunks): two-part: products "
                                    "within ~1e-5 of float32's; one-part: llama.cpp's Q8 activations (half the dot "
                                    "products: those calls ~1.4x faster, logit KL ~3x bf16's); adaptive: two parts "
-                                   "only in blocks holding a large activation (KL ~0.6x bf16's)",
-                                   choices=["two-part", "adaptive", "one-part"])
+                                   "only in blocks holding a large activation (KL ~0.6x bf16's); auto: adaptive "
+                                   "on the vnni kernel, two-part elsewhere",
+                                   choices=["auto", "two-part", "adaptive", "one-part"])
     native_isa: str = _opt("auto", "build of the native CPU library (fused decode ops and the vnni/avx2 "
                            "kernels): avx512 (AVX-512 VNNI), avx2 (AVX2+FMA+F16C, as AMD Zen), none "
                            "(torch ops only); auto: the widest the CPU has and g++ builds",
@@ -339,7 +342,8 @@ class EngineArgs:
                                    "step with a prompt chunk; the next step takes prompt tokens as usual")
     block_size: int = _opt(16, "tokens per KV cache block")
     kv_cache_memory: float = _opt(2.0, "memory for the KV cache, GiB")
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: the model's. bfloat16 or float16 under "
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype; auto: float16 on a CPU under a GGUF kept packed for "
+                               "the vnni or avx2 kernel (llama.cpp's cache), else the model's. bfloat16 or float16 under "
                                "float32 weights hold twice the tokens and halve what decode attention "
                                "reads, at 16-bit precision of K and V; fp8 (= fp8_e4m3, OCP e4m3fn) and "
                                "fp8_e5m2 four times the tokens at 8-bit floats (values stored unscaled, "
@@ -420,10 +424,13 @@ class EngineArgs:
         from rackserve.model.quant.kernel_choice import resolve_quant_kernel
         isa = resolve_native_isa(self.native_isa, device)
         kernel = resolve_quant_kernel(self.quant_kernel, quantization, device, isa.isa)
-        dtype, dtype_reason = resolve_dtype(self.dtype, device, kernel.name if quantization == "gguf" else None)
-        _require(self.packed_activations == "two-part" or (quantization == "gguf" and kernel.name == "vnni"),
+        packed = kernel.name if quantization == "gguf" else None
+        dtype, dtype_reason = resolve_dtype(self.dtype, device, packed)
+        activations, activations_reason = resolve_packed_activations(self.packed_activations, packed)
+        _require(activations == "two-part" or packed == "vnni",
                  f"--packed-activations {self.packed_activations} needs the vnni kernel on a GGUF's packed weights "
                  f"(here: quantization {quantization}, kernel {kernel.name})")
+        cache_dtype, cache_dtype_reason = resolve_kv_cache_dtype(self.kv_cache_dtype, device, dtype, packed)
         model = ModelConfig(
             model=path,
             served_model_name=self.served_model_name or self.model,
@@ -439,12 +446,11 @@ class EngineArgs:
             quant_kernel_reason=kernel.reason,
             native_isa=isa.isa,
             native_isa_reason=isa.reason,
-            packed_activations=self.packed_activations,
+            packed_activations=activations,
+            packed_activations_reason=activations_reason,
         )
         cache = CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching,
-                            self.num_gpu_blocks_override,
-                            None if self.kv_cache_dtype == "auto" else
-                            KV_CACHE_DTYPE_NAMES.get(self.kv_cache_dtype, self.kv_cache_dtype))
+                            self.num_gpu_blocks_override, cache_dtype, cache_dtype_reason)
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         _require(self.max_waiting_tokens >= 0, "max_waiting_tokens must be >= 0")
         sched = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.long_prefill_token_threshold,
@@ -530,6 +536,35 @@ def resolve_dtype(dtype: str, device: str, packed_kernel: str | None = None) -> 
     from rackserve.cpu_dtype import choose_cpu_dtype, cpu_flags
     choice = choose_cpu_dtype(cpu_flags(), packed_kernel)
     return choice.dtype, f"auto: {choice.reason}"
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, device: str, dtype: str,
+                           packed_kernel: str | None) -> tuple[str | None, str]:
+    """(CacheConfig.cache_dtype, why) for --kv-cache-dtype: a torch dtype name, or None for the
+    model's dtype (`dtype`, resolved). auto on CPU under float32 activations follows the kernel of a
+    packed GGUF's linears (`packed_kernel`: its --quant-kernel, else None):
+    cpu_dtype.choose_cpu_kv_cache_dtype."""
+    if kv_cache_dtype != "auto":
+        return KV_CACHE_DTYPE_NAMES.get(kv_cache_dtype, kv_cache_dtype), "given by --kv-cache-dtype"
+    if device == "cpu" and dtype == "float32":
+        from rackserve.cpu_dtype import choose_cpu_kv_cache_dtype
+        choice = choose_cpu_kv_cache_dtype(packed_kernel)
+        if choice is not None:
+            return choice.dtype, choice.reason
+    return None, "auto: the model's dtype"
+
+
+def resolve_packed_activations(mode: str, packed_kernel: str | None) -> tuple[str, str]:
+    """(mode, why) for --packed-activations. auto: adaptive on the vnni kernel (`packed_kernel`, as
+    for resolve_kv_cache_dtype), whose prompt chunks then keep a block's second int8 part only where
+    it holds a large activation (logits closer to float32's than bf16 weights and activations bring:
+    KL 9e-4 against 1.4e-3 on SmolLM2; ~1.15x a 512-token prefill step: docs/benchmarks.md,
+    nineteenth and twenty-fourth rounds); two-part on every other kernel (the only mode they have)."""
+    if mode != "auto":
+        return mode, "given by --packed-activations"
+    if packed_kernel == "vnni":
+        return "adaptive", "auto: two int8 parts only in blocks holding a large activation"
+    return "two-part", "auto"
 
 
 def resolve_quantization(quantization: str, path: str) -> str:

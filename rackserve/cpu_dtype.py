@@ -9,9 +9,10 @@ every CPU: those kernels multiply float32 activations and the native decode step
 bf16 only adds conversions and loses that step (on a Zen 5 with avx512_bf16, SmolLM2's packed
 decode steps ran 2.6x slower at batch 1 and 1.6x at batch 8 in bf16, its 512-token prefill 1.2x;
 with dequantized weights bf16 was 1.9x faster at batch 1 and 2.6x in prefill: docs/benchmarks.md,
-sixteenth round). The choice is a pure function of the flags the CPU reports and that kernel, so
-it is tested from given flags. This file owns
-that rule and reading what the CPU says of itself (its flags, its model name, for every results
+sixteenth round). Under those kernels `--kv-cache-dtype auto` keeps float16 K/V, as llama.cpp does
+(choose_cpu_kv_cache_dtype). The choices are pure functions of the flags the CPU reports and that
+kernel, so they are tested from given flags. This file owns
+those rules and reading what the CPU says of itself (its flags, its model name, for every results
 file and calibration key); it must never import torch or read anything but /proc/cpuinfo.
 """
 from __future__ import annotations
@@ -87,3 +88,17 @@ def choose_cpu_dtype(flags: frozenset[str] | set[str], packed_kernel: str | None
         return DtypeChoice("bfloat16", f"the CPU computes bf16 natively ({', '.join(native)})")
     return DtypeChoice("float32", f"the CPU reports none of {', '.join(NATIVE_BF16_FLAGS)}, so bf16 "
                                   "would be emulated and slower than fp32")
+
+
+def choose_cpu_kv_cache_dtype(packed_kernel: str | None) -> DtypeChoice | None:
+    """`--kv-cache-dtype auto` on CPU: float16 under a GGUF kept packed for a float32-activation
+    kernel (what llama.cpp keeps for the same file), None (the model's dtype, vLLM's auto) otherwise.
+    Such an engine's decode steps read every row's K/V, which outweighs the packed weights at a few
+    rows and a few hundred tokens; a float16 cache halves those bytes at logits within KL 1e-6 of a
+    float32 cache's on SmolLM2 (bf16 weights and activations: 1.4e-3; docs/benchmarks.md, twentieth
+    and twenty-fourth rounds). A GGUF holds a Llama-like model, whose native attention kernels read
+    float16 K/V in place on every build that runs these kernels."""
+    if packed_kernel not in FLOAT32_PACKED_KERNELS:
+        return None
+    return DtypeChoice("float16", f"auto: the GGUF's linears stay packed for the {packed_kernel} int8 kernel, so "
+                                  "K/V in float16 as llama.cpp keeps them (half the bytes decode attention reads)")

@@ -110,4 +110,10 @@ def test_the_startup_banner_says_what_reads_a_narrower_cache(tiny_llama_dir):
     assert ("native attention kernels read it" if native else "gathers it and runs SDPA") in line("float16")
     assert ("native decode attention reads it" if native else "gathers it and runs SDPA") in line("bfloat16")
     assert ("native attention kernels read it" if native else "gathers it and runs SDPA") in line("fp8")
-    assert line("fp8_e5m2").startswith("  KV cache float8_e5m2: ")
+    assert line("fp8_e5m2").startswith("  KV cache float8_e5m2 (given by --kv-cache-dtype): ")
+    # The default model's auto cache says why (float16 under a packed vnni or avx2 kernel).
+    from rackserve.config import smollm2_gguf_path
+    config = EngineArgs(model=smollm2_gguf_path(), device="cpu").create_engine_config()
+    if config.cache.cache_dtype is not None:
+        assert kv_cache_line(config).startswith(f"  KV cache float16 (auto: the GGUF's linears stay packed for the "
+                                                f"{config.model.quant_kernel} int8 kernel")

@@ -84,6 +84,26 @@ def test_each_shipped_calibration_is_found_for_its_own_processor_only(monkeypatc
         assert cpu_device.find(key, [cpu_device.SHIPPED_DIR]) == os.path.join(cpu_device.SHIPPED_DIR, name)
 
 
+def test_the_vnni_kernels_activation_parts_are_in_the_cpu_key():
+    """serve's --packed-activations auto is adaptive on the vnni kernel (its prompt chunks run
+    faster than two parts'): a calibration measured with two parts (the shipped ones) prices only
+    `--packed-activations two-part`, and a run-time one is measured with the key's mode. Other
+    kernels have no parts: their keys do not name them, and asking for fewer is refused."""
+    auto = cpu_device.serve_key("smollm2-135m-instruct")
+    if auto["quant_kernel"] == "vnni":
+        assert auto["packed_activations"] == "adaptive"
+        assert cpu_device.serve_key("smollm2-135m-instruct", None, None, "two-part") == \
+            {**auto, "packed_activations": "two-part"}
+    else:
+        assert "packed_activations" not in auto
+        with pytest.raises(ValueError, match="only the vnni kernel"):
+            cpu_device.serve_key("smollm2-135m-instruct", None, None, "one-part")
+    args = cpu_device._forward_args({**auto, "packed_activations": "one-part"}, "out.json", "prefill", 2048)
+    assert args[args.index("--packed-activations") + 1] == "one-part"
+    assert "--packed-activations" not in cpu_device._forward_args(
+        {k: v for k, v in auto.items() if k != "packed_activations"}, "out.json", "prefill", 2048)
+
+
 def test_the_kv_cache_dtype_is_in_the_cpu_key(tmp_path):
     """A float16 KV cache runs another decode attention kernel than a float32 one: `--kv-cache-dtype
     fp16` on cpu finds (or measures, with bench forward's --kv-cache-dtype float16) a calibration of
@@ -91,12 +111,16 @@ def test_the_kv_cache_dtype_is_in_the_cpu_key(tmp_path):
     --kv-cache-dtype fp8); fp4 and serve's spellings are refused before anything is measured."""
     from rackserve.sim.calibrate import _as_measured
     from rackserve.sim.model_spec import load_model_spec
+    from rackserve.config import resolve_kv_cache_dtype
     auto = cpu_device.serve_key("smollm2-135m-instruct")
     fp16 = cpu_device.serve_key("smollm2-135m-instruct", None, "fp16")
-    assert auto["kv_cache_dtype"] == auto["dtype"] == "float32"       # serve's auto: the model's dtype
+    # serve's auto: float16 under a float32-activation packed kernel, else the model's dtype
+    assert auto["kv_cache_dtype"] == (resolve_kv_cache_dtype("auto", "cpu", auto["dtype"], auto["quant_kernel"])[0]
+                                      or auto["dtype"])
     assert fp16 == {**auto, "kv_cache_dtype": "float16"}
     assert cpu_device.serve_key("smollm2-135m-instruct", None, "float16") == fp16     # serve's name too
-    assert cpu_device.find(fp16, [cpu_device.SHIPPED_DIR]) is None
+    fp32 = cpu_device.serve_key("smollm2-135m-instruct", None, "fp32")
+    assert fp32 == {**auto, "kv_cache_dtype": "float32"}
     args = cpu_device._forward_args(fp16, "out.json", "decode", 2048)
     assert args[args.index("--kv-cache-dtype") + 1] == "float16"
     fp8 = cpu_device.serve_key("smollm2-135m-instruct", None, "fp8")

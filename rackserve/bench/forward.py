@@ -251,6 +251,7 @@ def run_forward(args: argparse.Namespace) -> int:
               "settings": {s.label: {"executor": s.executor_name, "dtype": s.config.model.dtype,
                                      "device": s.config.model.device, "block_size": s.config.cache.block_size,
                                      "kv_cache_dtype": s.config.cache.cache_dtype or s.config.model.dtype,
+                                     "packed_activations": s.config.model.packed_activations,
                                      "num_kv_blocks": s.executor.num_kv_blocks, "cost": dataclasses.asdict(s.cost),
                                      "kv_cache_groups": _kv_groups(s.executor),
                                      "kernels": engine_kernels(s.config.model, s.config.cache.cache_dtype),

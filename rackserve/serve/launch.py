@@ -134,7 +134,7 @@ def kv_cache_line(config) -> str:
     if engine_kernels(m, kv)["native_decode_attention"]:
         how = ("the native attention kernels read it in place, widened to float32" if kv != "bfloat16" else
                "the native decode attention reads it in place, widened to float32; prefill attention runs in torch")
-    return f"  KV cache {kv}: {how}\n"
+    return f"  KV cache {kv} ({config.cache.cache_dtype_reason}): {how}\n"
 
 
 async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError | None:
@@ -152,7 +152,8 @@ async def _serve(server: uvicorn.Server, engine: AsyncEngine) -> EngineDeadError
               f"  dtype {m.dtype} ({m.dtype_reason}); quantization {m.quantization}\n"
               + (f"  native library {m.native_isa} ({m.native_isa_reason})\n" if m.device == "cpu" else "")
               + (f"  quantized-linear kernel {m.quant_kernel} ({m.quant_kernel_reason})"
-                 + (f"; activations {m.packed_activations}" if m.packed_activations != "two-part" else "") + "\n"
+                 + (f"; activations {m.packed_activations} ({m.packed_activations_reason})"
+                    if m.packed_activations != "two-part" else "") + "\n"
                  if m.quantization == "gguf" else "") +
               f"{kv_groups_line(engine)}{kv_cache_line(engine.config)}{speculative_line(engine.config)}"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",

@@ -263,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.key:
         from rackserve.bench.engine_code import merged
         from rackserve.sim.cpu_device import serve_key
-        key = serve_key(args.model, None, results[0]["settings"]["A"].get("kv_cache_dtype") if results else None)
+        setting = results[0]["settings"]["A"] if results else {}
+        key = serve_key(args.model, None, setting.get("kv_cache_dtype"), setting.get("packed_activations"))
         # Keyed only to the code that measured it, still the code here (else refused: re-measure).
         code = merged([r["settings"]["A"].get("engine_code") for r in results]
                       + [t["step_trace"].get("engine_code") for t in traces])

@@ -27,6 +27,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       "(default ~/.cache/rackserve/sim)")
     a("--kv-cache-dtype", default=None, help="KV cache precision override: bf16, fp8, fp4 (fp32, fp16, bf16 or fp8 for "
       "cpu: a calibration measured with that cache)")
+    a("--packed-activations", default=None, choices=["two-part", "adaptive", "one-part"],
+      help="cpu: a calibration measured with serve's --packed-activations (vnni kernel only; default: serve's)")
     a("--tensor-parallel-size", type=int, default=1, help="devices splitting each layer (per DP rank)")
     a("--data-parallel-size", type=int, default=1, help="DP ranks per instance, stepping in lockstep")
     a("--enable-expert-parallel", action="store_true", help="experts over all the instance's devices (all-to-all)")
@@ -154,7 +156,8 @@ def simulate(args: argparse.Namespace, levels: list[int], executor_factory=None)
     from rackserve.sim.prompt_ids import BlockRenderer
     load_model_spec(args.model)   # an unknown model fails before any calibration
     hardware, as_measured, calibration = load_device(args.hardware, args.model, args.quantization,
-                                                     args.calibration_dir, args.kv_cache_dtype)
+                                                     args.calibration_dir, args.kv_cache_dtype,
+                                                     args.packed_activations)
     setup = dataclasses.replace(SimSetup.from_args(args, hardware, as_measured), executor_factory=executor_factory)
     workload = make_workload(args.workload, WorkloadOptions(
         seed=args.seed, scale=args.scale, output_scale=args.output_scale, max_context=setup.max_model_len,

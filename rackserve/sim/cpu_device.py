@@ -53,13 +53,17 @@ KV_CACHE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp
 _SERVE_KV_NAMES = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
-def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str | None = None) -> dict[str, str]:
+def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str | None = None,
+              packed_activations: str | None = None) -> dict[str, str]:
     """What a calibration must have been measured with to price `rackserve serve --model MODEL`'s
     steps on this machine (`quantization`: gguf or none; None: serve's auto; `kv_cache_dtype`: fp32,
-    fp16, bf16 or fp8 (or serve's names); None: serve's auto, the model's dtype). The KV cache's dtype
-    is in the key, not only its bytes: decode attention over a float16 cache runs another kernel,
-    partly bound by its arithmetic, than over a float32 one."""
-    from rackserve.config import resolve_dtype, resolve_model_path, resolve_quantization
+    fp16, bf16 or fp8 (or serve's names); None: serve's auto; `packed_activations`: serve's
+    --packed-activations, None: its auto). The KV cache's dtype is in the key, not only its bytes:
+    decode attention over a float16 cache runs another kernel, partly bound by its arithmetic, than
+    over a float32 one. The vnni kernel's activation parts are in it too (a prompt chunk's linears
+    run ~1.15-1.4x faster with fewer); no other kernel has them, and their keys do not name them."""
+    from rackserve.config import (resolve_dtype, resolve_kv_cache_dtype, resolve_model_path,
+                                  resolve_packed_activations, resolve_quantization)
     if quantization not in (None, "auto", "gguf", "none"):
         raise ValueError(f"--quantization {quantization} on cpu: rackserve serve runs gguf or none here")
     from rackserve.model.native import resolve_native_isa
@@ -74,9 +78,19 @@ def serve_key(model: str, quantization: str | None = None, kv_cache_dtype: str |
     if kv_cache_dtype not in (None, "auto", *KV_CACHE_DTYPES):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16, bf16 or fp8 "
                          "KV caches here")
-    kv = dtype if kv_cache_dtype in (None, "auto") else KV_CACHE_DTYPES[kv_cache_dtype]
-    return {"processor": processor(), "model": model, "dtype": dtype, "quantization": quant, "quant_kernel": kernel,
-            "native_isa": resolve_native_isa("auto", "cpu").isa, "kv_cache_dtype": kv}
+    if kv_cache_dtype in (None, "auto"):
+        kv = resolve_kv_cache_dtype("auto", "cpu", dtype, kernel)[0] or dtype
+    else:
+        kv = KV_CACHE_DTYPES[kv_cache_dtype]
+    key = {"processor": processor(), "model": model, "dtype": dtype, "quantization": quant, "quant_kernel": kernel,
+           "native_isa": resolve_native_isa("auto", "cpu").isa, "kv_cache_dtype": kv}
+    activations = resolve_packed_activations(packed_activations or "auto", kernel)[0]
+    if kernel == "vnni":
+        key["packed_activations"] = activations
+    elif activations != "two-part":
+        raise ValueError(f"--packed-activations {packed_activations} on cpu: only the vnni kernel has it, "
+                         f"and serve runs {kernel} here")
+    return key
 
 
 def find(key: dict[str, str], directories: list[str]) -> str | None:
@@ -111,6 +125,7 @@ def _forward_args(key: dict[str, str], out: str, mode: str, max_model_len: int) 
     return ["bench", "forward", "--model", key["model"], "--device", "cpu", "--dtype", key["dtype"],
             "--quantization", key["quantization"],
             "--kv-cache-dtype", _SERVE_KV_NAMES.get(key["kv_cache_dtype"], key["kv_cache_dtype"]),
+            *(["--packed-activations", key["packed_activations"]] if "packed_activations" in key else []),
             "--seconds", str(FORWARD_SECONDS), "--warmup-steps", "2",
             *args, "--output", out]
 
@@ -163,7 +178,8 @@ def calibrate_now(key: dict[str, str], directory: str) -> str:
 
 
 def load_cpu_device(model: str, quantization: str | None, directory: str | None,
-                    kv_cache_dtype: str | None = None) -> tuple[Hardware, dict, str]:
+                    kv_cache_dtype: str | None = None,
+                    packed_activations: str | None = None) -> tuple[Hardware, dict, str]:
     """The `cpu` device for `model` (its calibration found or measured), what the model ran as when
     it was measured (calibrate.calibrated_spec), and the calibration's file."""
     from rackserve.sim.calibrate import load_calibration
@@ -171,20 +187,21 @@ def load_cpu_device(model: str, quantization: str | None, directory: str | None,
     if kv_cache_dtype not in (None, "fp32", "fp16", "bf16", "fp8"):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} on cpu: rackserve serve keeps fp32, fp16, bf16 or fp8 "
                          "KV caches here")
-    key = serve_key(model, quantization, kv_cache_dtype)
+    key = serve_key(model, quantization, kv_cache_dtype, packed_activations)
     path = find(key, [directory, SHIPPED_DIR]) or calibrate_now(key, directory)
     hw, as_measured = load_calibration(path)
     return hw, as_measured, path
 
 
 def load_device(hardware: str, model: str, quantization: str | None, directory: str | None,
-                kv_cache_dtype: str | None = None) -> tuple[Hardware, dict | None, str | None]:
+                kv_cache_dtype: str | None = None,
+                packed_activations: str | None = None) -> tuple[Hardware, dict | None, str | None]:
     """--hardware resolved: a device of the table, `cpu` (found or measured for `model`), or a
     JSON file (a calibration's record of how the model ran comes with it); and the calibration file."""
     from rackserve.sim.calibrate import load_calibration
     from rackserve.sim.hardware import HARDWARE, load_hardware
     if hardware == "cpu":
-        return load_cpu_device(model, quantization, directory, kv_cache_dtype)
+        return load_cpu_device(model, quantization, directory, kv_cache_dtype, packed_activations)
     if hardware in HARDWARE or not os.path.isfile(hardware):
         return load_hardware(hardware), None, None
     hw, as_measured = load_calibration(hardware)
