@@ -139,6 +139,13 @@ HOSTILE = {
     "temperature_a_list": ("completions", {**COMP, "temperature": [1]}, 400),
     "stream_a_string": ("completions", {**COMP, "stream": "yes"}, 400),
     "tools": ("chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    # Before: ignored as unknown fields, so a client that required a call got free text.
+    "tool_choice_required": ("chat/completions", {**CHAT, "tool_choice": "required"}, 400),
+    "tool_choice_named": ("chat/completions", {**CHAT, "tool_choice": {"type": "function",
+                                                                        "function": {"name": "f"}}}, 400),
+    "tool_choice_nonsense": ("chat/completions", {**CHAT, "tool_choice": {"x": [1, 2]}}, 400),
+    "functions": ("chat/completions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, 400),
+    "function_call_named": ("chat/completions", {**CHAT, "function_call": {"name": "f"}}, 400),
     # Before: ignored as unknown fields, so a client asking for JSON got free text.
     "response_format_json": ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400),
     "min_tokens": ("completions", {**COMP, "min_tokens": 3}, 400),
@@ -163,6 +170,16 @@ def test_hostile_input_gets_an_openai_4xx_and_the_server_stays_healthy(server, n
     assert httpx.get(f"{server.url}/health").status_code == 200
     ok = httpx.post(f"{server.url}/v1/completions", json=COMP, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_a_tool_choice_that_asks_for_no_call_is_answered(server, choice):
+    """With no tools, "none" and "auto" both mean a plain answer (only "required", a named function
+    or junk are refused above)."""
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "tool_choice": choice, "function_call": choice},
+                      timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] is not None
 
 
 @pytest.mark.parametrize("extra", [

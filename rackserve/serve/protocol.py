@@ -188,6 +188,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    # With no tools served, "none" and "auto" both mean a plain answer; "required", a named function
+    # or anything else asks for a call this server never makes: refused by name, not ignored.
+    tool_choice: Any = None
+    functions: Any = None           # OpenAI's deprecated tools and tool_choice, likewise
+    function_call: Any = None
     # rackserve's extension: the messages already rendered and tokenized (the router sends them,
     # having tokenized to route); the chat template is then skipped.
     prompt_token_ids: Ids | None = Field(default=None, min_length=1)
@@ -205,6 +210,11 @@ class ChatCompletionRequest(SamplingRequest):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        if self.functions:
+            return "functions"
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                return name
         for name in ("echo", "continue_final_message", "chat_template", "chat_template_kwargs"):
             if getattr(self, name) not in (None, False, {}):
                 return name
